@@ -1,0 +1,434 @@
+"""The engine model: the environment that drives a target in vLLM's call order.
+
+It plays the parts of vLLM's scheduler, KV-cache manager and workers around the
+offload manager under test (docs/vllm-semantics.md §6), synchronously (one batch in
+flight, no output placeholders, no deferred frees):
+
+* **Requests** have prompt tokens drawn from a *family* (same family, same prefix,
+  same chained hashes), so prefixes are shared on purpose; sampled tokens are
+  unique per request.
+* **step** is one ``schedule()``: explicit preemptions first (blocks freed in
+  reverse order per group); running requests get a chunk of prefill or one decode
+  token, sliding-window blocks that left the window are freed first
+  (``remove_skipped_blocks``; the connector is not told); requests whose load
+  completed are scheduled through the "already computed" branch; admissions do
+  the GPU-local lookup, the connector lookup, the allocation and
+  ``update_state_after_alloc``. Then ``build_connector_meta``, then the computed
+  counts advance (so tokens are *confirmed one step late*), GPU blocks were hashed
+  at schedule time, the forward runs and a token is sampled where the prompt is done.
+* **Workers**: loads copy CPU data to GPU when shipped; stores copy GPU data after
+  the step's forward (the compute-done barrier) and land in the CPU when the last
+  rank reports. ``report`` delivers one rank count for one event, in any order.
+* **finish** (stop or abort, in any phase) calls ``request_finished_all_groups``
+  with the live table clipped to the computed tokens, then frees the GPU blocks in
+  reverse order (after the load, for a request still waiting on one).
+* **reset** is ``reset_prefix_cache(reset_connector=True)``: GPU pool, then target.
+
+Content model: ``gpu_data``/``cpu_data`` hold, per block, the hash of the tokens
+really written into it (None when nothing full was written). Data is what the
+forward computed or what a copy moved, never what the bookkeeping says, so a wrong
+copy or a store of unconfirmed data shows up as data != key (I10-I12).
+
+Every operation checks its arguments first and raises a ``KVSpecError`` without
+changing anything when they are wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvspec.errors import InvalidCountError, InvalidOperationError, UnknownEventError, UnknownRequestError
+from kvspec.interfaces import (
+    CachedRequestData,
+    ConnectorMetadata,
+    KVConnectorOutput,
+    NewRequestData,
+    OffloadTarget,
+    SchedulerOutput,
+    check_count,
+)
+from kvspec.model.block_pool import NULL_BLOCK
+from kvspec.model.hashing import BlockHash, block_hashes, chain_hash
+from kvspec.model.hit_search import find_longest_cache_hit
+
+WAITING, RUNNING, WAITING_FOR_REMOTE, LOADED, PREEMPTED, FINISHED = (
+    "waiting", "running", "waiting_for_remote_kvs", "loaded", "preempted", "finished",
+)
+MAX_PROMPT_TOKENS = 1 << 16
+
+
+@dataclass
+class EngineRequest:
+    """A request as the engine sees it; also the ``RequestView`` the target reads."""
+
+    request_id: str
+    family: int
+    prompt: list[int]
+    max_tokens: int
+    block_size: int
+    num_groups: int
+    serial: int
+    output: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
+    skip_reading_prefix_cache: bool = False
+    status: str = WAITING
+    table: list[list[int]] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    was_preempted: bool = False
+    free_after_load: bool = False
+
+    def __post_init__(self) -> None:
+        self.table = [[] for _ in range(self.num_groups)]
+        self.block_hashes = block_hashes(self.prompt, self.block_size)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    def append_output_token(self) -> None:
+        """Sample one token; a newly full block gets its chained hash."""
+        self.output.append(2_000_000_000 + self.serial * 100_000 + len(self.output))
+        if self.num_tokens % self.block_size == 0:
+            parent = self.block_hashes[-1] if self.block_hashes else "0" * 16
+            self.block_hashes.append(chain_hash(parent, tuple(self.all_tokens[-self.block_size :])))
+
+
+def prompt_tokens(family: int, length: int) -> list[int]:
+    """Prompt of ``length`` tokens of ``family``: equal families share every prefix."""
+    return [family * 1_000_000 + i for i in range(length)]
+
+
+class Engine:
+    """Drives one ``OffloadTarget``; ``apply(op)`` runs one trace operation."""
+
+    def __init__(self, target: OffloadTarget) -> None:
+        self.target = target
+        self.config = target.config
+        self.gpu = target.gpu_pool
+        self.B = self.config.block_size
+        self.G = self.config.num_groups
+        self.requests: dict[str, EngineRequest] = {}
+        self.gpu_data: list[BlockHash | None] = [None] * self.config.num_gpu_blocks
+        self.cpu_data: list[BlockHash | None] = [None] * self.config.num_cpu_blocks
+        self.store_transfers: dict[int, tuple[list[int], list[int]]] = {}
+        self.store_payload: dict[int, list[BlockHash | None]] = {}
+        self.store_selection_data: dict[int, list[BlockHash | None]] = {}
+        self.reports_left: dict[int, int] = {}
+        self.loads_shipped: dict[str, int] = {}
+        self.preempted_since_step: set[str] = set()
+        self.finished_since_step: set[str] = set()
+        self.step_index = 0
+        self.last_meta: ConnectorMetadata | None = None
+        self.last_reset: tuple[bool, bool] | None = None
+
+    # -- dispatch ----------------------------------------------------------------------------
+
+    def apply(self, op: dict[str, Any]) -> Any:
+        """Run one operation given as a trace dict (``{"op": name, ...}``)."""
+        name = op.get("op")
+        args = {k: v for k, v in op.items() if k != "op"}
+        handler = getattr(self, f"op_{name}", None) if isinstance(name, str) else None
+        if handler is None:
+            raise InvalidOperationError(f"unknown operation {name!r}")
+        try:
+            return handler(**args)
+        except TypeError as exc:
+            raise InvalidOperationError(f"bad arguments for {name}: {exc}") from None
+
+    # -- operations --------------------------------------------------------------------------
+
+    def op_add(self, rid: str, family: int, prompt_len: int, max_tokens: int = 4) -> None:
+        """A new request arrives (waiting); no target call."""
+        if not isinstance(rid, str) or not rid:
+            raise InvalidOperationError(f"request id must be a non-empty string, got {rid!r}")
+        if rid in self.requests:
+            raise InvalidOperationError(f"request {rid!r} already exists")
+        check_count(family, "family")
+        check_count(prompt_len, "prompt_len", MAX_PROMPT_TOKENS)
+        check_count(max_tokens, "max_tokens", MAX_PROMPT_TOKENS)
+        if prompt_len == 0:
+            raise InvalidCountError("prompt_len must be >= 1")
+        self.requests[rid] = EngineRequest(rid, family, prompt_tokens(family, prompt_len), max_tokens,
+                                           self.B, self.G, serial=len(self.requests))
+
+    def op_step(self, admit: list[str] | None = None, chunk: int = 64, preempt: list[str] | None = None,
+                resume: str = "mrv1") -> ConnectorMetadata:
+        """One engine step (schedule, build_connector_meta, forward, sample)."""
+        admit, preempt = list(admit or []), list(preempt or [])
+        check_count(chunk, "chunk", MAX_PROMPT_TOKENS)
+        if chunk == 0:
+            raise InvalidCountError("chunk must be >= 1")
+        if resume not in ("mrv1", "mrv2"):
+            raise InvalidOperationError(f"resume must be 'mrv1' or 'mrv2', got {resume!r}")
+        for rid in preempt:
+            if self._req(rid).status not in (RUNNING, LOADED):
+                raise InvalidOperationError(f"cannot preempt {rid}: it is {self.requests[rid].status}")
+        for rid in admit:
+            if self._req(rid).status not in (WAITING, PREEMPTED) and rid not in preempt:
+                raise InvalidOperationError(f"cannot admit {rid}: it is {self.requests[rid].status}")
+        if len(set(admit)) != len(admit) or len(set(preempt)) != len(preempt):
+            raise InvalidOperationError("admit and preempt must not repeat a request")
+
+        out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData())
+        scheduled: dict[str, int] = {}
+        for rid in preempt:
+            self._preempt(self.requests[rid])
+        for r in [r for r in self.requests.values() if r.status == RUNNING]:
+            self._schedule_running(r, chunk, out, scheduled)
+        for r in [r for r in self.requests.values() if r.status == LOADED]:
+            self._schedule_loaded(r, chunk, out, scheduled)
+        for rid in admit:
+            if not self._admit(self.requests[rid], chunk, resume, out, scheduled):
+                break
+        out.num_scheduled_tokens = dict(scheduled)
+        out.preempted_req_ids = set(self.preempted_since_step)
+        out.finished_req_ids = set(self.finished_since_step)
+        meta = self.target.build_connector_meta(out)
+        self._after_build(meta)
+        for rid, n in scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        self._forward(scheduled, meta)
+        self.preempted_since_step.clear()
+        self.finished_since_step.clear()
+        self.step_index += 1
+        self.last_meta = meta
+        return meta
+
+    def op_report(self, event: int, count: int = 1) -> None:
+        """``count`` worker ranks report store ``event`` done."""
+        if event not in self.reports_left:
+            raise UnknownEventError(f"store event {event!r} is not in flight")
+        check_count(count, "count", self.reports_left[event])
+        if count == 0:
+            raise InvalidCountError("count must be >= 1")
+        self.target.update_connector_output(KVConnectorOutput(completed_store_events={event: count}))
+        self.reports_left[event] -= count
+        if self.reports_left[event] == 0:
+            del self.reports_left[event]
+            cpu_ids = self.store_transfers.pop(event)[1]
+            self.store_selection_data.pop(event, None)
+            for c, data in zip(cpu_ids, self.store_payload.pop(event), strict=True):
+                self.cpu_data[c] = data
+
+    def op_load_done(self, rid: str) -> None:
+        """The workers report ``rid``'s load complete (``finished_recving``)."""
+        if rid not in self.loads_shipped:
+            raise UnknownRequestError(f"{rid!r} has no load in flight")
+        self.target.update_connector_output(KVConnectorOutput(finished_recving={rid}))
+        del self.loads_shipped[rid]
+        r = self.requests[rid]
+        if r.free_after_load:
+            self._free_table(r)
+            r.free_after_load = False
+        elif r.status == WAITING_FOR_REMOTE:
+            r.status = LOADED
+
+    def op_finish(self, rid: str) -> None:
+        """``rid`` stops or is aborted, in whatever phase it is."""
+        r = self._req(rid)
+        if r.status == FINISHED:
+            raise InvalidOperationError(f"{rid} already finished")
+        self._remove_skipped_blocks(r)
+        clipped = tuple(list(t[: -(-r.num_computed_tokens // self.B)]) for t in r.table)
+        self.target.request_finished_all_groups(r, clipped)
+        if r.status == WAITING_FOR_REMOTE and rid in self.loads_shipped:
+            r.free_after_load = True
+        else:
+            self._free_table(r)
+        r.status = FINISHED
+        self.finished_since_step.add(rid)
+
+    def op_reset(self) -> tuple[bool, bool]:
+        """``reset_prefix_cache(reset_connector=True)``: the GPU pool, then the target."""
+        gpu_ok = self.gpu.reset_prefix_cache()
+        ok = self.target.reset()
+        self.last_reset = (gpu_ok, ok)
+        return self.last_reset
+
+    # -- scheduling pieces -------------------------------------------------------------------
+
+    def _req(self, rid: object) -> EngineRequest:
+        if not isinstance(rid, str) or rid not in self.requests:
+            raise UnknownRequestError(f"unknown request {rid!r}")
+        return self.requests[rid]
+
+    def _preempt(self, r: EngineRequest) -> None:
+        self._free_table(r)
+        r.num_computed_tokens = 0
+        r.num_output_placeholders = 0
+        r.status = PREEMPTED
+        r.was_preempted = True
+        self.preempted_since_step.add(r.request_id)
+
+    def _free_table(self, r: EngineRequest) -> None:
+        for g in range(self.G):
+            self.gpu.free_blocks([b for b in reversed(r.table[g]) if b != NULL_BLOCK])
+        r.table = [[] for _ in range(self.G)]
+
+    def _remove_skipped_blocks(self, r: EngineRequest) -> None:
+        """Sliding-window positions that left the window become null and are freed."""
+        for g, spec in enumerate(self.config.groups):
+            if spec.kind != "sliding":
+                continue
+            skipped = max(0, r.num_computed_tokens - spec.sliding_window + 1) // self.B
+            blocks = r.table[g]
+            removed = []
+            for i in range(min(skipped, len(blocks)) - 1, -1, -1):
+                if blocks[i] == NULL_BLOCK:
+                    break
+                removed.append(blocks[i])
+                blocks[i] = NULL_BLOCK
+            self.gpu.free_blocks(removed)
+
+    def _blocks_needed(self, r: EngineRequest, tokens: int) -> int:
+        return max(0, -(-tokens // self.B) - len(r.table[0]))
+
+    def _grow(self, r: EngineRequest, tokens: int) -> list[list[int]] | None:
+        """Allocate blocks (every group) to hold ``tokens``; None if the GPU pool is short."""
+        n = self._blocks_needed(r, tokens)
+        if n * self.G > self.gpu.get_num_free_blocks():
+            return None
+        new = [self.gpu.get_new_blocks(n) for _ in range(self.G)]
+        for g in range(self.G):
+            r.table[g].extend(new[g])
+        return new
+
+    def _cache_blocks(self, r: EngineRequest, num_tokens: int) -> None:
+        """Hash the full blocks covering ``num_tokens`` (at schedule time, like vLLM)."""
+        full = min(num_tokens, r.num_tokens) // self.B
+        for g in range(self.G):
+            for p in range(min(full, len(r.table[g]))):
+                b = r.table[g][p]
+                if b != NULL_BLOCK and self.gpu.block_hash[b] is None:
+                    self.gpu.insert_block_hash((r.block_hashes[p], g), b)
+
+    def _schedule_running(self, r: EngineRequest, chunk: int, out: SchedulerOutput,
+                          scheduled: dict[str, int]) -> None:
+        n = min(chunk, r.num_tokens - r.num_computed_tokens)
+        if n <= 0:
+            return
+        self._remove_skipped_blocks(r)
+        new = self._grow(r, r.num_computed_tokens + n)
+        if new is None:
+            return
+        self._cache_blocks(r, r.num_computed_tokens + n)
+        out.scheduled_cached_reqs.req_ids.append(r.request_id)
+        out.scheduled_cached_reqs.new_block_ids.append(tuple(new) if any(new) else None)
+        scheduled[r.request_id] = n
+
+    def _schedule_loaded(self, r: EngineRequest, chunk: int, out: SchedulerOutput,
+                         scheduled: dict[str, int]) -> None:
+        """A request whose load completed: cache the loaded blocks, schedule it as new
+        ("already computed" branch: no lookup, ``update_state_after_alloc(.., 0)``)."""
+        self._cache_blocks(r, r.num_computed_tokens)
+        if r.num_computed_tokens == r.num_tokens:
+            r.num_computed_tokens -= 1
+        n = min(chunk, r.num_tokens - r.num_computed_tokens)
+        if self._grow(r, r.num_computed_tokens + n) is None:
+            return  # stays LOADED; retried next step
+        self.target.update_state_after_alloc(r, tuple(list(t) for t in r.table), 0)
+        self._cache_blocks(r, r.num_computed_tokens + n)
+        r.status = RUNNING
+        out.scheduled_new_reqs.append(NewRequestData(r.request_id, tuple(list(t) for t in r.table)))
+        scheduled[r.request_id] = n
+
+    def _admit(self, r: EngineRequest, chunk: int, resume: str, out: SchedulerOutput,
+               scheduled: dict[str, int]) -> bool:
+        """GPU hit, connector hit, allocation, ``update_state_after_alloc``. False: GPU full."""
+        local_blocks, local_len = find_longest_cache_hit(
+            self.gpu, r.block_hashes, r.num_tokens - 1, self.config.groups, self.B
+        )
+        local_len -= local_len % self.B
+        ext, is_async = self.target.get_num_new_matched_tokens(r, local_len)
+        computed = local_len + ext
+        n = 0 if is_async else min(chunk, r.num_tokens - computed)
+        hit_blocks = [b for g in local_blocks for b in g if b != NULL_BLOCK]
+        taken_free = sum(1 for b in set(hit_blocks) if self.gpu.ref_cnt[b] == 0)
+        per_group_new = -(-(computed + n) // self.B) - local_len // self.B
+        if taken_free + per_group_new * self.G > self.gpu.get_num_free_blocks():
+            return False
+        self.gpu.touch(hit_blocks)
+        r.table = [list(local_blocks[g]) for g in range(self.G)]
+        for g in range(self.G):
+            r.table[g].extend(self.gpu.get_new_blocks(per_group_new))
+        r.num_computed_tokens = local_len
+        full = tuple(list(t) for t in r.table)
+        self.target.update_state_after_alloc(r, full, ext)
+        if is_async:
+            r.num_computed_tokens = computed
+            r.status = WAITING_FOR_REMOTE
+            return True
+        self._cache_blocks(r, computed + n)
+        r.status = RUNNING
+        if r.was_preempted and resume == "mrv1":
+            out.scheduled_cached_reqs.req_ids.append(r.request_id)
+            out.scheduled_cached_reqs.new_block_ids.append(full)
+            out.scheduled_cached_reqs.resumed_req_ids.add(r.request_id)
+        else:
+            out.scheduled_new_reqs.append(NewRequestData(r.request_id, full))
+        scheduled[r.request_id] = n
+        return True
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _after_build(self, meta: ConnectorMetadata) -> None:
+        """Record what the metadata tells the workers to copy; loads copy now (before forward)."""
+        if meta.store_event >= 0:
+            e = meta.store_event
+            self.store_transfers[e] = (list(meta.store_gpu_blocks), list(meta.store_cpu_blocks))
+            self.store_selection_data[e] = [self.gpu_data[g] for g in meta.store_gpu_blocks]
+            self.reports_left[e] = self.config.world_size
+        if meta.load_event >= 0:
+            for g, c in zip(meta.load_gpu_blocks, meta.load_cpu_blocks, strict=True):
+                self.gpu_data[g] = self.cpu_data[c]
+            for rid in meta.load_event_to_reqs.get(meta.load_event, []):
+                self.loads_shipped[rid] = meta.load_event
+
+    def _forward(self, scheduled: dict[str, int], meta: ConnectorMetadata) -> None:
+        """Compute the scheduled tokens, then the store DMA (after the compute-done barrier)."""
+        for rid in scheduled:
+            r = self.requests[rid]
+            for p in range(r.num_computed_tokens // self.B):
+                for g in range(self.G):
+                    if p < len(r.table[g]) and r.table[g][p] != NULL_BLOCK:
+                        self.gpu_data[r.table[g][p]] = r.block_hashes[p]
+        if meta.store_event >= 0:
+            self.store_payload[meta.store_event] = [self.gpu_data[g] for g in meta.store_gpu_blocks]
+        for rid in scheduled:
+            r = self.requests[rid]
+            if r.num_computed_tokens == r.num_tokens and len(r.output) < r.max_tokens:
+                r.append_output_token()
+
+    # -- observation --------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The target's snapshot plus the engine's view (requests, data, transfers in flight)."""
+        snap = self.target.snapshot()
+        snap["engine"] = {
+            "config": self.config.to_json(),
+            "step": self.step_index,
+            "requests": {
+                rid: {
+                    "status": r.status,
+                    "num_tokens": r.num_tokens,
+                    "num_computed_tokens": r.num_computed_tokens,
+                    "num_output_placeholders": r.num_output_placeholders,
+                    "block_hashes": list(r.block_hashes),
+                    "table": [list(t) for t in r.table],
+                    "free_after_load": r.free_after_load,
+                }
+                for rid, r in self.requests.items()
+            },
+            "gpu_data": list(self.gpu_data),
+            "cpu_data": list(self.cpu_data),
+            "store_selection_data": {str(e): d for e, d in sorted(self.store_selection_data.items())},
+            "reports_left": {str(e): n for e, n in sorted(self.reports_left.items())},
+            "loads_in_flight": sorted(self.loads_shipped),
+        }
+        return snap

@@ -1,0 +1,485 @@
+"""The invariant catalogue: stable ids, each a function of a snapshot.
+
+One catalogue checks the model, the implementation, a replayed trace and any
+engine that can write a snapshot (``kvspec check-snapshot``). A snapshot has the
+sections ``gpu_pool``, ``cpu_pool``, ``scheduler`` and, when an engine model (or an
+engine's own dump) supplies it, ``engine``; invariants that need the engine's view
+are skipped without it (``Invariant.needs_engine``).
+
+Ids I1-I15 follow docs/vllm-semantics.md §12.1; C1 is its completeness property;
+C2-C4 are the properties of the ``repair`` policy (policy issue). Every violation
+names its id and the blocks or requests involved.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+Snapshot = dict[str, Any]
+
+ACTIVE_STATUSES = ("running", "loaded", "waiting_for_remote_kvs", "waiting", "preempted")
+
+
+@dataclass(frozen=True)
+class Violation:
+    id: str
+    message: str
+    blocks: tuple[int, ...] = ()
+    requests: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        where = []
+        if self.requests:
+            where.append("requests " + ",".join(self.requests))
+        if self.blocks:
+            where.append("blocks " + ",".join(map(str, self.blocks)))
+        return f"{self.id}: {self.message}" + (f" [{'; '.join(where)}]" if where else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "message": self.message, "blocks": list(self.blocks),
+                "requests": list(self.requests)}
+
+
+@dataclass(frozen=True)
+class Invariant:
+    id: str
+    title: str
+    statement: str
+    fn: Callable[[Snapshot], list[Violation]]
+    needs_engine: bool = False
+    enforced_by: tuple[str, ...] = field(default=("stateful invariant",))
+
+
+CATALOGUE: dict[str, Invariant] = {}
+
+
+def invariant(id_: str, title: str, needs_engine: bool = False,
+              enforced_by: tuple[str, ...] = ("stateful invariant",)) -> Callable[..., Any]:
+    """Register ``fn`` under ``id_``; its docstring is the statement."""
+
+    def wrap(fn: Callable[[Snapshot], Iterable[Violation]]) -> Callable[[Snapshot], Iterable[Violation]]:
+        CATALOGUE[id_] = Invariant(id_, title, (fn.__doc__ or "").strip(), lambda s: list(fn(s)),
+                                   needs_engine, enforced_by)
+        return fn
+
+    return wrap
+
+
+def check(snapshot: Snapshot, ids: Iterable[str] | None = None) -> list[Violation]:
+    """All violations of the chosen invariants (all by default) in ``snapshot``."""
+    out: list[Violation] = []
+    has_engine = "engine" in snapshot
+    for id_ in ids if ids is not None else CATALOGUE:
+        inv = CATALOGUE[id_]
+        if inv.needs_engine and not has_engine:
+            continue
+        out.extend(inv.fn(snapshot))
+    return out
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _pools(s: Snapshot) -> list[tuple[str, dict[str, Any]]]:
+    return [("gpu", s["gpu_pool"]), ("cpu", s["cpu_pool"])]
+
+
+def _live_store_transfers(sched: dict[str, Any]) -> list[tuple[str, dict[str, list[int]]]]:
+    """Store transfers not yet completed and not abandoned: events, then queued flushes."""
+    out = [(f"event {e}", t) for e, t in sched["store_events"].items()]
+    out += [(f"flush {i}", t) for i, t in enumerate(sched["pending_finished_stores"])]
+    return out
+
+
+def _all_store_transfers(sched: dict[str, Any]) -> list[tuple[str, dict[str, list[int]]]]:
+    out = _live_store_transfers(sched)
+    out += [(f"abandoned event {e}", t) for e, t in sched["abandoned_store_events"].items()]
+    return out
+
+
+def _loads(sched: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return list(sched["reqs_to_load"].items()) + list(sched["abandoned_reqs_to_load"].items())
+
+
+def _hash_of(key_text: str | None) -> str | None:
+    return None if key_text is None else key_text.rpartition(":")[0]
+
+
+def _active_store_requests(s: Snapshot) -> Iterable[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(rid, store state, engine request) for requests with live, unfinished store state."""
+    reqs = s["engine"]["requests"]
+    for rid, st in s["scheduler"]["reqs_to_store"].items():
+        r = reqs.get(rid)
+        if st["finished"] or r is None or r["status"] == "finished":
+            continue
+        yield rid, st, r
+
+
+def _owned_below_cursor(s: Snapshot) -> Iterable[tuple[str, int, int, int, str]]:
+    """(rid, group, position, block, key) for every position below a live cursor whose
+    block the request still owns (its live table holds it) and that is hashed."""
+    gpu_hash = s["gpu_pool"]["block_hash"]
+    for rid, st, r in _active_store_requests(s):
+        for g, cursor in enumerate(st["num_stored_blocks"]):
+            table = r["table"][g] if g < len(r["table"]) else []
+            for p in range(min(cursor, len(table))):
+                b = table[p]
+                if b == 0:
+                    continue
+                key = gpu_hash[b]
+                if key is not None and _hash_of(key) == (r["block_hashes"][p] if p < len(r["block_hashes"]) else None):
+                    yield rid, g, p, b, key
+
+
+def _covered_keys(s: Snapshot) -> set[str]:
+    """Keys cached on CPU or being stored by a live transfer."""
+    gpu_hash = s["gpu_pool"]["block_hash"]
+    keys = set(s["cpu_pool"]["cached"])
+    for _, t in _live_store_transfers(s["scheduler"]):
+        keys.update(gpu_hash[g] for g in t["gpu"] if gpu_hash[g] is not None)
+    return keys
+
+
+# -- I1-I3: pools ----------------------------------------------------------------------------
+
+
+@invariant("I1", "queue/ref", enforced_by=("model assertion", "stateful invariant", "CrossHair contract"))
+def _i1(s: Snapshot) -> Iterable[Violation]:
+    """In each pool, a non-null block is in the free queue iff its ref count is 0; ref counts
+    are >= 0; the queue holds no block twice."""
+    for name, p in _pools(s):
+        queue = p["free_queue"]
+        for b, n in Counter(queue).items():
+            if n > 1:
+                yield Violation("I1", f"{name}: block {b} is queued {n} times", (b,))
+        queued = set(queue)
+        for b in range(1, p["num_blocks"]):
+            ref = p["ref_cnt"][b]
+            if ref < 0:
+                yield Violation("I1", f"{name}: block {b} has ref count {ref}", (b,))
+            elif (b in queued) != (ref == 0):
+                yield Violation("I1", f"{name}: block {b} ref {ref} but {'in' if b in queued else 'not in'} "
+                                "the free queue", (b,))
+
+
+@invariant("I2", "null block", enforced_by=("model assertion", "stateful invariant"))
+def _i2(s: Snapshot) -> Iterable[Violation]:
+    """The null block 0 is never queued, cached, hashed, referenced, or part of a transfer or pin."""
+    for name, p in _pools(s):
+        if 0 in p["free_queue"] or p["ref_cnt"][0] != 0 or p["block_hash"][0] is not None:
+            yield Violation("I2", f"{name}: null block is queued, referenced or hashed", (0,))
+        if any(0 in ids for ids in p["cached"].values()):
+            yield Violation("I2", f"{name}: null block is in the prefix map", (0,))
+    sched = s["scheduler"]
+    for where, t in _all_store_transfers(sched):
+        if 0 in t["gpu"] or 0 in t["cpu"]:
+            yield Violation("I2", f"null block in store {where}", (0,))
+    for rid, ls in _loads(sched):
+        if 0 in ls["gpu"] or 0 in ls["cpu"]:
+            yield Violation("I2", "null block in a load", (0,), (rid,))
+
+
+@invariant("I3", "map consistency", enforced_by=("model assertion", "stateful invariant"))
+def _i3(s: Snapshot) -> Iterable[Violation]:
+    """Every block a map lists carries that key; a free hashed block is in the map under it;
+    on the CPU a block is hashed iff it is in the map, and store destinations are unhashed."""
+    for name, p in _pools(s):
+        for key, ids in p["cached"].items():
+            for b in ids:
+                if p["block_hash"][b] != key:
+                    yield Violation("I3", f"{name}: map lists block {b} under {key} but it carries "
+                                    f"{p['block_hash'][b]}", (b,))
+        listed = {b for ids in p["cached"].values() for b in ids}
+        queued = set(p["free_queue"])
+        for b, key in enumerate(p["block_hash"]):
+            if key is None or b in listed:
+                continue
+            if name == "cpu" or b in queued:
+                yield Violation("I3", f"{name}: block {b} is hashed {key} but not in the map", (b,))
+    cpu_hash = s["cpu_pool"]["block_hash"]
+    for where, t in _all_store_transfers(s["scheduler"]):
+        for c in t["cpu"]:
+            if cpu_hash[c] is not None:
+                yield Violation("I3", f"store {where}: destination CPU block {c} is already hashed", (c,))
+
+
+# -- I4-I8: transfers, pins, ref accounting --------------------------------------------------
+
+
+@invariant("I4", "CPU ref accounting", enforced_by=("model assertion", "stateful invariant"))
+def _i4(s: Snapshot) -> Iterable[Violation]:
+    """A CPU block's ref count equals its listings as a store destination (pending, queued or
+    abandoned) + in loads (including abandoned ones) + in pending pins."""
+    sched = s["scheduler"]
+    want: Counter[int] = Counter()
+    for _, t in _all_store_transfers(sched):
+        want.update(t["cpu"])
+    for _, ls in _loads(sched):
+        want.update(ls["cpu"])
+    for pin in sched["pending_cpu_hits"].values():
+        want.update(b for g in pin["blocks"] for b in g if b != 0)
+    ref = s["cpu_pool"]["ref_cnt"]
+    for b in range(1, len(ref)):
+        if ref[b] != want[b]:
+            yield Violation("I4", f"CPU block {b} has ref {ref[b]}, transfers and pins account for {want[b]}", (b,))
+
+
+@invariant("I5", "GPU ref accounting", needs_engine=True)
+def _i5(s: Snapshot) -> Iterable[Violation]:
+    """A GPU block's ref count equals the request tables holding it + its listings in store
+    transfers (pending, queued, abandoned) + in loads."""
+    sched = s["scheduler"]
+    want: Counter[int] = Counter()
+    for r in s["engine"]["requests"].values():
+        for t in r["table"]:
+            want.update(b for b in t if b != 0)
+    for _, t in _all_store_transfers(sched):
+        want.update(t["gpu"])
+    for _, ls in _loads(sched):
+        want.update(ls["gpu"])
+    ref = s["gpu_pool"]["ref_cnt"]
+    for b in range(1, len(ref)):
+        if ref[b] != want[b]:
+            yield Violation("I5", f"GPU block {b} has ref {ref[b]}, owners and transfers account for {want[b]}", (b,))
+
+
+@invariant("I6", "in-flight protection", enforced_by=("model assertion", "stateful invariant"))
+def _i6(s: Snapshot) -> Iterable[Violation]:
+    """Every block of a pending, queued or abandoned transfer has ref >= 1 on its side."""
+    sched = s["scheduler"]
+    sides = [t for _, t in _all_store_transfers(sched)] + [ls for _, ls in _loads(sched)]
+    for t in sides:
+        for side, pool in (("gpu", s["gpu_pool"]), ("cpu", s["cpu_pool"])):
+            for b in t[side]:
+                if pool["ref_cnt"][b] < 1:
+                    yield Violation("I6", f"{side.upper()} block {b} is in a transfer with ref 0", (b,))
+
+
+@invariant("I7", "in-flight set", enforced_by=("model assertion", "stateful invariant"))
+def _i7(s: Snapshot) -> Iterable[Violation]:
+    """Eager mode: the in-flight GPU set equals the GPU ids of live store transfers (an id listed
+    in two live transfers may leave early). Lazy mode keeps it empty."""
+    sched = s["scheduler"]
+    listed: Counter[int] = Counter()
+    for _, t in _live_store_transfers(sched):
+        listed.update(set(t["gpu"]))
+    in_flight = set(sched["in_flight"])
+    if sched["lazy"]:
+        if in_flight:
+            yield Violation("I7", "lazy mode has in-flight ids", tuple(sorted(in_flight)))
+        return
+    for b in sorted(in_flight - set(listed)):
+        yield Violation("I7", f"GPU block {b} is marked in flight but no live store lists it", (b,))
+    for b in sorted(set(listed) - in_flight):
+        if listed[b] == 1:
+            yield Violation("I7", f"GPU block {b} is being stored but not marked in flight", (b,))
+
+
+@invariant("I8", "no duplicate transfers", enforced_by=("stateful invariant",))
+def _i8(s: Snapshot) -> Iterable[Violation]:
+    """No GPU id twice in one store event; no CPU id the destination of two live stores."""
+    sched = s["scheduler"]
+    for where, t in _live_store_transfers(sched):
+        for b, n in Counter(t["gpu"]).items():
+            if n > 1:
+                yield Violation("I8", f"store {where} lists GPU block {b} {n} times", (b,))
+    dests: Counter[int] = Counter()
+    for _, t in _all_store_transfers(sched):
+        dests.update(t["cpu"])
+    for b, n in dests.items():
+        if n > 1:
+            yield Violation("I8", f"CPU block {b} is the destination of {n} stores", (b,))
+
+
+# -- I9-I15: cursors, fidelity, lifecycle ----------------------------------------------------
+
+
+@invariant("I9", "cursor bounds", enforced_by=("model assertion", "stateful invariant", "Z3 proof"))
+def _i9(s: Snapshot) -> Iterable[Violation]:
+    """0 <= num_stored_blocks[g] <= len(block_ids[g]) for every request and group."""
+    for rid, st in s["scheduler"]["reqs_to_store"].items():
+        for g, (c, ids) in enumerate(zip(st["num_stored_blocks"], st["block_ids"], strict=True)):
+            if not 0 <= c <= len(ids):
+                yield Violation("I9", f"group {g} cursor {c} outside 0..{len(ids)}", (), (rid,))
+
+
+@invariant("I10", "confirmed-only stores", needs_engine=True, enforced_by=("stateful invariant", "Z3 proof"))
+def _i10(s: Snapshot) -> Iterable[Violation]:
+    """Every GPU block of a live store event already held the data of its key when the event
+    was planned: only computed (confirmed) blocks are stored."""
+    sched, eng = s["scheduler"], s["engine"]
+    gpu_hash = s["gpu_pool"]["block_hash"]
+    for e, data in eng["store_selection_data"].items():
+        t = sched["store_events"].get(e)
+        if t is None:
+            continue
+        for g, d in zip(t["gpu"], data, strict=True):
+            if d is None or d != _hash_of(gpu_hash[g]):
+                yield Violation("I10", f"store event {e} planned GPU block {g} (key {gpu_hash[g]}) "
+                                f"holding data {d}", (g,))
+
+
+@invariant("I11", "hash fidelity", needs_engine=True)
+def _i11(s: Snapshot) -> Iterable[Violation]:
+    """A CPU block cached under a key holds the data of that key."""
+    data = s["engine"]["cpu_data"]
+    for key, ids in s["cpu_pool"]["cached"].items():
+        for b in ids:
+            if data[b] != _hash_of(key):
+                yield Violation("I11", f"CPU block {b} cached as {key} holds data {data[b]}", (b,))
+
+
+@invariant("I12", "load fidelity", needs_engine=True)
+def _i12(s: Snapshot) -> Iterable[Violation]:
+    """Each load pair copies a CPU block cached under the request's key for the GPU position,
+    into an unhashed GPU block; every computed position of a request holds its key's data."""
+    eng, sched = s["engine"], s["scheduler"]
+    cpu_hash, gpu_hash = s["cpu_pool"]["block_hash"], s["gpu_pool"]["block_hash"]
+    for rid, ls in sched["reqs_to_load"].items():
+        r = eng["requests"].get(rid)
+        if r is None or r["status"] == "finished":
+            continue
+        for gb, cb in zip(ls["gpu"], ls["cpu"], strict=True):
+            pos = [(g, t.index(gb)) for g, t in enumerate(r["table"]) if gb in t]
+            want = {(r["block_hashes"][p], g) for g, p in pos if p < len(r["block_hashes"])}
+            got = cpu_hash[cb]
+            if got is None or (_hash_of(got), int(got.rpartition(":")[2])) not in want:
+                yield Violation("I12", f"load CPU {cb} ({got}) -> GPU {gb} does not match the position's key",
+                                (gb, cb), (rid,))
+            if gpu_hash[gb] is not None:
+                yield Violation("I12", f"load destination GPU {gb} is already hashed {gpu_hash[gb]}", (gb,), (rid,))
+    for rid, r in eng["requests"].items():
+        if r["status"] not in ("running", "loaded"):
+            continue
+        for g, table in enumerate(r["table"]):
+            for p in range(min(r["num_computed_tokens"] // _block_size(s), len(table))):
+                b = table[p]
+                if b != 0 and eng["gpu_data"][b] != r["block_hashes"][p]:
+                    yield Violation("I12", f"group {g} position {p}: GPU block {b} holds data "
+                                    f"{eng['gpu_data'][b]}, expected {r['block_hashes'][p]}", (b,), (rid,))
+
+
+def _block_size(s: Snapshot) -> int:
+    return int(s["engine"]["config"]["block_size"])
+
+
+@invariant("I13", "event lifecycle", enforced_by=("model assertion", "stateful invariant"))
+def _i13(s: Snapshot) -> Iterable[Violation]:
+    """Event ids are below their counters; partial counts stay below world_size and name issued
+    events; with an engine, the events the scheduler still holds are exactly those whose
+    reports are not all in."""
+    sched = s["scheduler"]
+    live = set(sched["store_events"]) | set(sched["abandoned_store_events"])
+    for e in live:
+        if not 0 <= int(e) < sched["store_event_counter"]:
+            yield Violation("I13", f"store event {e} is not below the counter {sched['store_event_counter']}")
+    for e in sched["load_event_to_reqs"]:
+        if not 0 <= int(e) < sched["load_event_counter"]:
+            yield Violation("I13", f"load event {e} is not below the counter {sched['load_event_counter']}")
+    if "engine" not in s:
+        return
+    world = int(s["engine"]["config"]["world_size"])
+    left = s["engine"]["reports_left"]
+    for e in sorted(live - set(left), key=int):
+        yield Violation("I13", f"store event {e} has all reports but was not processed")
+    for e in sorted(set(left) - live, key=int):
+        yield Violation("I13", f"store event {e} was processed before all {world} reports")
+    for e, c in sched["store_event_pending_counts"].items():
+        if e in left and c != world - left[e]:
+            yield Violation("I13", f"store event {e} counts {c} reports, the workers sent {world - left[e]}")
+
+
+@invariant("I14", "finished requests", needs_engine=True)
+def _i14(s: Snapshot) -> Iterable[Violation]:
+    """A finished request holds no pin; its store state survives only while marked finished with
+    store events outstanding; its load state only while its load is in flight."""
+    sched, reqs = s["scheduler"], s["engine"]["requests"]
+    for rid, st in sched["reqs_to_store"].items():
+        if st["finished"] and not st["store_events"]:
+            yield Violation("I14", "finished store state with no events left", (), (rid,))
+        if reqs.get(rid, {}).get("status") == "finished" and not st["finished"]:
+            yield Violation("I14", "finished request still has live store state", (), (rid,))
+    for rid, r in reqs.items():
+        if r["status"] != "finished":
+            continue
+        if rid in sched["pending_cpu_hits"]:
+            yield Violation("I14", "finished request still holds a CPU pin", (), (rid,))
+        ls = sched["reqs_to_load"].get(rid)
+        if ls is not None and ls["load_event"] is None:
+            yield Violation("I14", "finished request has an unsent load", (), (rid,))
+
+
+@invariant("I15", "reset result", needs_engine=True)
+def _i15(s: Snapshot) -> Iterable[Violation]:
+    """reset() returns True iff no abandoned store or load remains, and then the CPU map is empty."""
+    eng, sched = s["engine"], s["scheduler"]
+    if eng.get("last_op") != "reset":
+        return
+    ok = eng["last_result"][1]
+    abandoned = bool(sched["abandoned_store_events"] or sched["abandoned_reqs_to_load"])
+    if ok == abandoned:
+        yield Violation("I15", f"reset returned {ok} with{'' if abandoned else ' no'} abandoned transfers")
+    if ok and s["cpu_pool"]["cached"]:
+        yield Violation("I15", "reset returned True but the CPU map is not empty")
+
+
+# -- C1-C4: completeness and the repair policy's properties ----------------------------------
+
+
+@invariant("C1", "completeness", needs_engine=True, enforced_by=("stateful invariant", "Z3 proof"))
+def _c1(s: Snapshot) -> Iterable[Violation]:
+    """For an active request and every position below its cursor where it still owns a hashed
+    block, that key is cached on CPU or being stored (vLLM 0.33.0 violates this: the FIXME)."""
+    covered = _covered_keys(s)
+    for rid, g, p, b, key in _owned_below_cursor(s):
+        if key not in covered:
+            yield Violation("C1", f"group {g} position {p}: key {key} is below the cursor, "
+                            "neither cached on CPU nor being stored", (b,), (rid,))
+
+
+@invariant("C2", "completeness modulo pending repair", needs_engine=True,
+           enforced_by=("stateful invariant", "Z3 proof"))
+def _c2(s: Snapshot) -> Iterable[Violation]:
+    """As C1, but a position recorded as lost and pending repair also counts as covered."""
+    covered = _covered_keys(s)
+    pending = {(r, g, p) for r, g, p in s["scheduler"]["policy_state"].get("lost", [])}
+    for rid, g, p, b, key in _owned_below_cursor(s):
+        if key not in covered and (rid, g, p) not in pending:
+            yield Violation("C2", f"group {g} position {p}: key {key} is lost and not recorded for repair",
+                            (b,), (rid,))
+
+
+@invariant("C3", "no amplification", enforced_by=("stateful invariant", "Z3 proof"))
+def _c3(s: Snapshot) -> Iterable[Violation]:
+    """Re-store copies planned in a step never exceed the distinct lost keys pending when the
+    repair phase began, and no key is being stored twice at once (dedup by hash across
+    requests and in-flight stores)."""
+    sched = s["scheduler"]
+    ps = sched["policy_state"]
+    if "restores_last_plan" in ps and ps["restores_last_plan"] > ps["lost_keys_at_repair"]:
+        yield Violation("C3", f"{ps['restores_last_plan']} re-stores planned for "
+                        f"{ps['lost_keys_at_repair']} lost keys")
+    gpu_hash = s["gpu_pool"]["block_hash"]
+    seen: dict[str, int] = {}
+    for _, t in _live_store_transfers(sched):
+        for g in t["gpu"]:
+            key = gpu_hash[g]
+            if key is not None and seen.setdefault(key, g) != g:
+                yield Violation("C3", f"key {key} is being stored from GPU blocks {seen[key]} and {g}",
+                                (seen[key], g))
+
+
+@invariant("C4", "convergence", needs_engine=True)
+def _c4(s: Snapshot) -> Iterable[Violation]:
+    """After a planning step that began with no transfer or pin outstanding, scheduled no tokens,
+    and had CPU capacity >= the live working set, no hole below a cursor remains (C1 holds)."""
+    if s["engine"].get("last_op") != "step" or not s["engine"].get("converging_step"):
+        return
+    for v in _c1(s):
+        yield Violation("C4", "hole survived a converging step: " + v.message, v.blocks, v.requests)
+
+
+LOCAL_INVARIANTS = ("I1", "I2", "I3", "I4", "I6", "I7", "I9", "I13")

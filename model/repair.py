@@ -1,0 +1,314 @@
+"""The ``repair`` policy (kvspec's own, the default): exact records of what the CPU lost.
+
+Terms. A request *owns* position p of group g when the GPU block its list holds at p
+carries the request's key for p and is referenced (ref >= 1), and, in a
+sliding-window group, p has not left the window (``remove_skipped_blocks`` freed
+every position below ``(computed - window + 1) // block_size``; the connector is
+not told, so the policy computes it). Null entries are not owned: unlike vLLM's
+null recovery, a block found in the GPU prefix cache may have been hashed this
+step and not yet computed. A key is *live* when an active
+request owns it at a position below its cursor. A CPU entry is *useless* when its
+key's parent (the key one position earlier in the chain) is neither cached on CPU
+nor being stored: by the chained hash no lookup can reach it.
+
+Rules, each stated once:
+
+* **R1 Exact loss records.** Positions passed by a cursor whose block the request
+  owns are indexed by key (``owners``). When a CPU allocation evicts a key that
+  is no longer cached anywhere on the CPU, every owner of it gets a *lost record*
+  (request, group, position). A record lives until the position is re-stored
+  (in flight or cached again) or the request no longer owns it; finishing,
+  preemption and reset drop the request's records.
+* **R2 Cost.** Planning visits the new positions ``[cursor, ready)`` of scheduled
+  requests and the pending lost records, never ``[0, cursor)``. Every eviction
+  costs O(owners of the key).
+* **R3 Soundness.** Only owned, confirmed (below ``ready``), hashed positions are
+  stored, under the key the request has for them.
+* **R4 Dedup by key.** A key already cached on CPU or being stored (by any
+  request, any live transfer, or earlier in this step) is not stored again.
+* **R5 Same-step protection (T3).** A CPU entry that the scan judged "already
+  cached" is pinned until the planning step (or finish flush) ends, so that
+  step's own allocations cannot evict it. The release is an LRU refresh.
+* **R6 New work first (H8).** The positional scan allocates first; re-stores use
+  only the space left in the step.
+* **R7 No thrash (H6).** A re-store takes its CPU block from the LRU head but never
+  evicts a live entry unless that entry is useless; live, useful entries met at the
+  head are refreshed (moved to the MRU end) and the walk goes on. Hence a
+  re-store never lowers any request's reachable CPU prefix, and the reachable
+  prefix grows with every re-store: no cycle. Re-stores per step are bounded by
+  the distinct lost keys (C3).
+* **R8 Resume (H3).** A record that finds no space or no acceptable victim stays
+  pending and is retried at every later planning step, scheduled or not (H1).
+* **R9 Finish (H1, H2).** The finish flush re-stores the finishing request's own
+  pending records first (prefix order), then flushes ``[cursor, ready)``; what
+  still finds no room is dropped with the request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvspec.interfaces import OffloadConfig, RequestView, SchedulerOutput
+from kvspec.model.block_pool import NULL_BLOCK, BlockPool
+from kvspec.model.hashing import BlockKey, key_str
+from kvspec.model.scheduler import (
+    ALREADY_CACHED,
+    IN_FLIGHT,
+    NOT_HASHED,
+    READY,
+    OffloadScheduler,
+    StoreBatch,
+    StoreState,
+    Transfer,
+)
+
+Position = tuple[str, int, int]  # (request id, group, position)
+Owners = dict[Position, None]  # ordered, so that records are made in a deterministic order
+
+
+class RepairScheduler(OffloadScheduler):
+    policy_name = "repair"
+
+    def __init__(self, config: OffloadConfig, gpu_pool: BlockPool) -> None:
+        super().__init__(config, gpu_pool)
+        self.owners: dict[BlockKey, Owners] = {}
+        self.lost: dict[Position, BlockKey] = {}
+        self.in_flight_keys: dict[BlockKey, int] = {}
+        self._held: list[int] = []  # CPU blocks pinned (R5) or refreshed (R7) until the step ends
+        self.restores_last_plan = 0
+        self.lost_keys_at_repair = 0
+        self.visits_last_plan = 0
+
+    # -- R1: records -------------------------------------------------------------------------
+
+    def _owned_block(self, st: StoreState, ids: list[int], g: int, p: int) -> int | None:
+        """The block ``ids[p]`` if the request owns it at (g, p), else None. O(1)."""
+        hashes = st.request.block_hashes
+        if p >= len(hashes) or p >= len(ids):
+            return None
+        spec = self.config.groups[g]
+        if spec.kind == "sliding":
+            computed = st.request.num_computed_tokens
+            if p < max(0, computed - spec.sliding_window + 1) // self.block_size:
+                return None
+        b = ids[p]
+        if b == NULL_BLOCK or self.gpu_pool.block_hash[b] != (hashes[p], g) or self.gpu_pool.ref_cnt[b] < 1:
+            return None
+        return b
+
+    def _is_live(self, key: BlockKey) -> bool:
+        """Some active request owns ``key`` below its cursor (stale owners are pruned). O(owners)."""
+        owners = self.owners.get(key)
+        if not owners:
+            return False
+        for pos in list(owners):
+            rid, g, p = pos
+            st = self.reqs_to_store.get(rid)
+            if (st is None or st.finished or p >= st.num_stored_blocks[g]
+                    or self._owned_block(st, st.block_ids[g], g, p) is None):
+                del owners[pos]
+        if not owners:
+            del self.owners[key]
+        return bool(owners)
+
+    def _covered(self, key: BlockKey) -> bool:
+        return self.cpu_pool.get_one_block(key) is not None or self.in_flight_keys.get(key, 0) > 0
+
+    def _on_cpu_evictions(self, evicted: list[tuple[int, BlockKey]]) -> None:
+        for _, key in evicted:
+            if self.cpu_pool.get_one_block(key) is not None or not self._is_live(key):
+                continue
+            for pos in self.owners[key]:
+                self.lost.setdefault(pos, key)
+
+    def _drop_request(self, rid: str) -> None:
+        for pos in [p for p in self.lost if p[0] == rid]:
+            del self.lost[pos]
+
+    # -- scan: R3, R4, R5 ----------------------------------------------------------------------
+
+    def _classify_key(self, gid: int) -> str:
+        key = self.gpu_pool.block_hash[gid]
+        if key is None:
+            return NOT_HASHED
+        if self.in_flight_keys.get(key, 0) > 0:
+            return IN_FLIGHT
+        if self.cpu_pool.get_one_block(key) is not None:
+            return ALREADY_CACHED
+        return READY
+
+    def _select_eager_blocks_to_store(self, st: StoreState,
+                                      ids_by_group: list[list[int]]) -> tuple[list[int], list[int]]:
+        selected: list[int] = []
+        keys: set[BlockKey] = set()
+        advance = [0] * self.num_groups
+        rid = st.request.request_id
+        for g, ids in enumerate(ids_by_group):
+            for p in range(st.num_stored_blocks[g], self._ready_blocks(st, ids)):
+                self.visits_last_plan += 1
+                b = self._owned_block(st, ids, g, p)
+                kind = NOT_HASHED if b is None else self._classify_key(b)
+                if kind == READY and self.gpu_pool.block_hash[b] in keys:
+                    kind = IN_FLIGHT
+                if kind == READY and len(selected) >= self.cpu_pool.get_num_free_blocks():
+                    break
+                advance[g] += 1
+                if b is None or kind == NOT_HASHED:
+                    continue
+                key = self.gpu_pool.block_hash[b]
+                self.owners.setdefault(key, {})[(rid, g, p)] = None
+                if kind == ALREADY_CACHED:
+                    cb = self.cpu_pool.get_one_block(key)
+                    self.cpu_pool.touch([cb])
+                    self._held.append(cb)
+                elif kind == READY:
+                    selected.append(b)
+                    keys.add(key)
+        return selected, advance
+
+    # -- planning: R6, R7, R8 ------------------------------------------------------------------
+
+    def _plan_before_scan(self, out: SchedulerOutput, batch: StoreBatch) -> None:
+        self.visits_last_plan = 0
+        self.restores_last_plan = 0
+        for rid in out.preempted_req_ids:
+            self._drop_request(rid)
+
+    def _plan_after_scan(self, out: SchedulerOutput, batch: StoreBatch) -> None:
+        wanted = self._repair_candidates(None)
+        self.lost_keys_at_repair = len({key for _, _, key in wanted})
+        done = self._restore(wanted)
+        for rid, gid, cid in done:
+            batch.req_ids.append(rid)
+            batch.gpu_ids.append(gid)
+            batch.cpu_ids.append(cid)
+        self.restores_last_plan = len(done)
+        self._release_held()
+
+    def _repair_candidates(self, finishing: tuple[str, list[list[int]]] | None) -> list[tuple[Position, int, BlockKey]]:
+        """Pending records still owned and uncovered, one per key, in record order; drops the
+        rest. ``finishing`` = (request, live table) limits them to one request. O(records)."""
+        out: list[tuple[Position, int, BlockKey]] = []
+        keys: set[BlockKey] = set()
+        for pos, key in list(self.lost.items()):
+            rid, g, p = pos
+            if finishing is not None and rid != finishing[0]:
+                continue
+            self.visits_last_plan += 1
+            st = self.reqs_to_store.get(rid)
+            b = None
+            if st is not None and not st.finished and p < st.num_stored_blocks[g]:
+                ids = finishing[1][g] if finishing is not None else st.block_ids[g]
+                b = self._owned_block(st, ids, g, p)
+            if b is None or self._covered(key):
+                del self.lost[pos]
+                continue
+            if key not in keys:
+                keys.add(key)
+                out.append((pos, b, key))
+        return out
+
+    def _acceptable_victim(self, cb: int) -> bool:
+        """R7: a free CPU block may be taken iff it is unhashed, not live, or useless."""
+        key = self.cpu_pool.block_hash[cb]
+        if key is None or not self._is_live(key):
+            return True
+        rid, g, p = next(iter(self.owners[key]))  # every owner has the same prefix, so the same parent
+        if p == 0:
+            return False
+        return not self._covered((self.reqs_to_store[rid].request.block_hashes[p - 1], g))
+
+    def _restore(self, wanted: list[tuple[Position, int, BlockKey]]) -> list[tuple[str, int, int]]:
+        """Allocate CPU blocks for ``wanted`` under R7; pin and mark them in flight.
+        O(len(wanted) + live entries refreshed)."""
+        found = 0
+        for cb in list(self.cpu_pool.free_queue):
+            if found >= len(wanted):
+                break
+            self.visits_last_plan += 1
+            if self._acceptable_victim(cb):
+                found += 1
+            else:
+                self.cpu_pool.touch([cb])
+                self._held.append(cb)
+        if found == 0:
+            return []
+        taken = wanted[:found]
+        cpu_ids = self._cpu_alloc(found)
+        for pos, _, _ in taken:
+            self.lost.pop(pos, None)
+        self._mark_in_flight([gid for _, gid, _ in taken])
+        return [(pos[0], gid, cid) for (pos, gid, _), cid in zip(taken, cpu_ids, strict=True)]
+
+    def _mark_in_flight(self, gpu_ids: list[int]) -> None:
+        self.in_flight_store_gpu_blocks |= set(gpu_ids)
+        self.gpu_pool.touch(gpu_ids)
+        for g in gpu_ids:
+            key = self.gpu_pool.block_hash[g]
+            self.in_flight_keys[key] = self.in_flight_keys.get(key, 0) + 1
+
+    def _release_held(self) -> None:
+        if self._held:
+            held, self._held = self._held, []
+            self.cpu_pool.free_blocks(held)
+
+    def _allocate_store(self, batch: StoreBatch, rid: str | None, selected: list[int]) -> None:
+        cpu_ids = self._cpu_alloc(len(selected))
+        if rid is not None:
+            batch.req_ids.append(rid)
+        batch.gpu_ids += selected
+        batch.cpu_ids += cpu_ids
+        self._mark_in_flight(selected)
+
+    def _on_store_completed(self, t: Transfer) -> None:
+        for g in t.gpu_ids:
+            key = self.gpu_pool.block_hash[g]
+            self._unmark_key(key)
+
+    def _unmark_key(self, key: BlockKey | None) -> None:
+        if key is None:
+            return
+        n = self.in_flight_keys.get(key, 0) - 1
+        if n > 0:
+            self.in_flight_keys[key] = n
+        else:
+            self.in_flight_keys.pop(key, None)
+
+    # -- finish: R9 ----------------------------------------------------------------------------
+
+    def _queue_finished_eager_store(self, request: RequestView, block_ids: list[list[int]]) -> None:
+        rid = request.request_id
+        st = self.reqs_to_store.get(rid)
+        if st is None:
+            return
+        restored = self._restore(self._repair_candidates((rid, block_ids)))
+        selected, _ = self._select_eager_blocks_to_store(st, block_ids)
+        gpu = [gid for _, gid, _ in restored]
+        cpu = [cid for _, _, cid in restored]
+        if selected:
+            cpu += self._cpu_alloc(len(selected))
+            gpu += selected
+            self._mark_in_flight(selected)
+        self._release_held()
+        if gpu:
+            self.pending_finished_stores.append(Transfer(gpu, cpu))
+
+    def _on_request_finished(self, rid: str) -> None:
+        self._drop_request(rid)
+
+    # -- reset ----------------------------------------------------------------------------------
+
+    def _on_reset(self) -> None:
+        self.owners.clear()
+        self.lost.clear()
+        self.in_flight_keys.clear()
+
+    # -- observation ----------------------------------------------------------------------------
+
+    def _policy_snapshot(self) -> dict[str, Any]:
+        return {
+            "lost": sorted([rid, g, p] for rid, g, p in self.lost),
+            "in_flight_keys": sorted(key_str(k) for k in self.in_flight_keys),
+            "restores_last_plan": self.restores_last_plan,
+            "lost_keys_at_repair": self.lost_keys_at_repair,
+        }

@@ -1,0 +1,634 @@
+"""vLLM 0.33.0's ``SimpleCPUOffloadScheduler``: the ``baseline`` policy, rule for rule.
+
+The scheduler owns a CPU ``BlockPool`` and is bound to the GPU pool. It decides which
+GPU blocks to copy to CPU (stores) and which CPU hits to copy back (loads), and keeps
+the bookkeeping that makes those copies safe.
+
+Rules (section numbers refer to docs/vllm-semantics.md):
+
+* **Hit and pin (§7.3):** a lookup finds the longest CPU hit after the GPU-local hit,
+  leaving at least one token to compute, and pins the hit blocks (CPU ref +1) until
+  ``update_state_after_alloc`` consumes the pin, a new lookup or the finish drops it,
+  or ``reset`` releases it.
+* **Load registration (§7.4):** the accepted part of the hit is loaded into the GPU
+  blocks that follow the local hit; both sides get a ref for the transfer.
+* **Eager stores (§7.6):** each scheduled request is scanned from its per-group
+  cursor up to its *confirmed* full blocks (tokens computed in earlier steps). A
+  position is skipped for good (cursor advances) when its block is null and not
+  recoverable from the GPU prefix cache, unhashed, in flight, or already cached on
+  CPU; otherwise it is selected, a CPU block is allocated (possibly *evicting* a
+  cached entry) and both blocks are pinned until the store completes. Out of CPU
+  space stops the scan without advancing. The cursor never looks back: an entry
+  evicted below it is never stored again (**the FIXME**).
+* **Lazy stores (§7.7):** free hashed GPU blocks near the GPU LRU head that the CPU
+  does not hold are copied; a cursor into the GPU free queue resumes the walk.
+* **Events (§7.5):** at most one store and one load event per step; event ids count
+  up forever. Finish-flush transfers join the next store event after the scan.
+* **Completion (§7.8, §7.9):** worker counts accumulate across steps; at
+  ``world_size`` the event completes: each CPU block is registered under its GPU
+  block's key read *now*, then both sides are freed (CPU blocks to the MRU tail).
+* **Finish (§7.10, §7.13):** confirmed-but-unstored blocks at or after the cursor are
+  flushed (CPU blocks allocated now); the request state is removed, or kept until
+  its last store event completes.
+* **Reset (§7.12):** pins and queued flushes are released, sent transfers are
+  abandoned (their refs held until the workers report), store state forgotten;
+  True iff nothing abandoned remains and the CPU cache could be cleared.
+
+Policies (``signal-rescan``, ``repair``) and bug variants subclass this class and
+override the hooks named ``_select_*``, ``_advance_cursors``, ``_plan_*`` and
+``_on_cpu_evictions``; everything else is shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvspec.errors import InvalidOperationError, UnknownEventError, UnknownRequestError
+from kvspec.interfaces import (
+    BlockIds,
+    ConnectorMetadata,
+    KVConnectorOutput,
+    OffloadConfig,
+    RequestView,
+    SchedulerOutput,
+    check_block_ids,
+    check_count,
+    yield_req_data,
+)
+from kvspec.model.block_pool import NULL_BLOCK, BlockPool
+from kvspec.model.hashing import BlockKey
+from kvspec.model.hit_search import find_longest_cache_hit
+
+# Store-candidate classes (vLLM ``_StoreAdmission``).
+NULL, NOT_HASHED, IN_FLIGHT, ALREADY_CACHED, READY = "null", "not_hashed", "in_flight", "already_cached", "ready"
+
+
+@dataclass
+class Transfer:
+    """vLLM ``TransferMeta``: parallel lists of GPU and CPU block ids."""
+
+    gpu_ids: list[int]
+    cpu_ids: list[int]
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {"gpu": list(self.gpu_ids), "cpu": list(self.cpu_ids)}
+
+
+@dataclass
+class PendingHit:
+    """A Phase-A pin: the CPU hit found by a lookup, held until allocation."""
+
+    blocks: list[list[int]]
+    hit_len: int
+    num_computed_tokens: int
+
+
+@dataclass
+class LoadState:
+    request: RequestView
+    transfer: Transfer
+    load_event: int | None = None
+    finished: bool = False
+
+
+@dataclass
+class StoreState:
+    """Per-request eager store state: accumulated GPU ids and one cursor per group."""
+
+    request: RequestView
+    block_ids: list[list[int]]
+    num_stored_blocks: list[int]
+    store_events: set[int] = field(default_factory=set)
+    finished: bool = False
+
+
+@dataclass
+class StoreBatch:
+    """What one planning step selects: GPU ids, CPU ids and the requests they serve."""
+
+    gpu_ids: list[int] = field(default_factory=list)
+    cpu_ids: list[int] = field(default_factory=list)
+    req_ids: list[str] = field(default_factory=list)
+
+
+class OffloadScheduler:
+    """The ``baseline`` policy: vLLM 0.33.0 as it is."""
+
+    policy_name = "baseline"
+
+    def __init__(self, config: OffloadConfig, gpu_pool: BlockPool) -> None:
+        config.validate()
+        self.config = config
+        self.gpu_pool = gpu_pool
+        self.cpu_pool = BlockPool(config.num_cpu_blocks, "cpu")
+        self.block_size = config.block_size
+        self.num_groups = config.num_groups
+        self.lazy_mode = config.lazy_offload
+        self.target_free = config.lazy_target_free()
+        self.lazy_cursor: int | None = None
+        # loads
+        self.reqs_to_load: dict[str, LoadState] = {}
+        self.load_event_to_reqs: dict[int, list[str]] = {}
+        self.abandoned_reqs_to_load: dict[str, LoadState] = {}
+        self.pending_cpu_hits: dict[str, PendingHit] = {}
+        # stores
+        self.store_event_to_blocks: dict[int, Transfer] = {}
+        self.abandoned_store_event_to_blocks: dict[int, Transfer] = {}
+        self.pending_finished_stores: list[Transfer] = []
+        self.reqs_to_store: dict[str, StoreState] = {}
+        self.store_event_to_reqs: dict[int, list[str]] = {}
+        self.in_flight_store_gpu_blocks: set[int] = set()
+        # counters
+        self.load_event_counter = 0
+        self.store_event_counter = 0
+        self.store_event_pending_counts: dict[int, int] = {}
+
+    # == loads: lookup (Phase A) and registration (Phase B) ====================================
+
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+        """CPU hit after ``num_computed_tokens`` local tokens; pins it. O(hashes x groups)."""
+        check_count(num_computed_tokens, "num_computed_tokens", request.num_tokens)
+        stale = self.pending_cpu_hits.pop(request.request_id, None)
+        if stale is not None:
+            self._free_pending_cpu_hit(stale)
+        if request.skip_reading_prefix_cache or num_computed_tokens % self.block_size:
+            return 0, False
+        hashes = request.block_hashes[num_computed_tokens // self.block_size :]
+        max_len = request.num_tokens - 1 - num_computed_tokens
+        if not hashes or max_len <= 0:
+            return 0, False
+        blocks, hit_len = find_longest_cache_hit(
+            self.cpu_pool, hashes, max_len, self.config.groups, self.block_size
+        )
+        if hit_len == 0:
+            return 0, False
+        self.cpu_pool.touch(b for g in blocks for b in g if b != NULL_BLOCK)
+        self.pending_cpu_hits[request.request_id] = PendingHit(blocks, hit_len, num_computed_tokens)
+        return hit_len, True
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds,
+                                 num_external_tokens: int) -> None:
+        """Register store state once; turn the pinned hit into a load of the accepted part."""
+        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "update_state_after_alloc")
+        rid = request.request_id
+        check_count(num_external_tokens, "num_external_tokens", request.num_tokens)
+        pending = self.pending_cpu_hits.get(rid)
+        load: Transfer | None = None
+        if num_external_tokens > 0 and pending is not None:
+            if num_external_tokens % self.block_size:
+                raise InvalidOperationError(
+                    f"{rid}: num_external_tokens {num_external_tokens} is not a multiple of "
+                    f"the block size {self.block_size}"
+                )
+            if num_external_tokens > pending.hit_len:
+                raise InvalidOperationError(
+                    f"{rid}: accepted {num_external_tokens} external tokens of a {pending.hit_len}-token hit"
+                )
+            if rid in self.reqs_to_load:
+                raise InvalidOperationError(f"{rid}: a load is already registered")
+            load = self._load_pairs(rid, ids, pending, num_external_tokens)
+        # -- all checks done; mutate --
+        if not self.lazy_mode and rid not in self.reqs_to_store:
+            self.reqs_to_store[rid] = StoreState(request, [[] for _ in range(self.num_groups)],
+                                                 [0] * self.num_groups)
+        self.pending_cpu_hits.pop(rid, None)
+        if pending is None or num_external_tokens == 0 or load is None:
+            if pending is not None:
+                self._free_pending_cpu_hit(pending)
+            return
+        self.cpu_pool.touch(load.cpu_ids)
+        self._free_pending_cpu_hit(pending)
+        self.gpu_pool.touch(load.gpu_ids)
+        self.reqs_to_load[rid] = LoadState(request, load)
+
+    def _load_pairs(self, rid: str, ids: BlockIds, pending: PendingHit, ext: int) -> Transfer:
+        gpu: list[int] = []
+        cpu: list[int] = []
+        for g, hits in enumerate(pending.blocks):
+            start = pending.num_computed_tokens // self.block_size
+            for i, cb in enumerate(hits[: -(-ext // self.block_size)]):
+                if cb == NULL_BLOCK:
+                    continue
+                if start + i >= len(ids[g]) or ids[g][start + i] == NULL_BLOCK:
+                    raise InvalidOperationError(
+                        f"{rid}: group {g} has no allocated GPU block at position {start + i} for the load"
+                    )
+                gpu.append(ids[g][start + i])
+                cpu.append(cb)
+        return Transfer(gpu, cpu)
+
+    def _free_pending_cpu_hit(self, pending: PendingHit) -> None:
+        self.cpu_pool.free_blocks(b for g in pending.blocks for b in g if b != NULL_BLOCK)
+
+    # == planning: build_connector_meta ========================================================
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
+        """Plan this step's stores and ship pending loads: at most one event of each."""
+        self._check_scheduler_output(scheduler_output)
+        batch = self._plan_lazy() if self.lazy_mode else self._plan_eager(scheduler_output)
+        for t in self.pending_finished_stores:
+            batch.gpu_ids += t.gpu_ids
+            batch.cpu_ids += t.cpu_ids
+        self.pending_finished_stores.clear()
+        meta = ConnectorMetadata(need_flush=bool(scheduler_output.preempted_req_ids))
+        if batch.gpu_ids:
+            e = self.store_event_counter
+            self.store_event_counter += 1
+            self.store_event_to_blocks[e] = Transfer(batch.gpu_ids, batch.cpu_ids)
+            if batch.req_ids:
+                self.store_event_to_reqs[e] = batch.req_ids
+                for r in batch.req_ids:
+                    if r in self.reqs_to_store:
+                        self.reqs_to_store[r].store_events.add(e)
+            meta.store_event, meta.store_gpu_blocks, meta.store_cpu_blocks = e, batch.gpu_ids, batch.cpu_ids
+        unsent = [r for r, st in self.reqs_to_load.items() if st.load_event is None]
+        if unsent:
+            e = self.load_event_counter
+            self.load_event_counter += 1
+            for r in unsent:
+                st = self.reqs_to_load[r]
+                st.load_event = e
+                meta.load_gpu_blocks += st.transfer.gpu_ids
+                meta.load_cpu_blocks += st.transfer.cpu_ids
+            self.load_event_to_reqs[e] = unsent
+            meta.load_event = e
+        meta.load_event_to_reqs = {e: list(rs) for e, rs in self.load_event_to_reqs.items()}
+        return meta
+
+    def _check_scheduler_output(self, out: SchedulerOutput) -> None:
+        for rid, ids, _ in yield_req_data(out):
+            if ids is not None:
+                check_block_ids(ids, self.num_groups, self.gpu_pool.num_blocks, f"scheduler output for {rid}")
+        for rid, n in out.num_scheduled_tokens.items():
+            check_count(n, f"num_scheduled_tokens[{rid}]")
+
+    def _plan_eager(self, out: SchedulerOutput) -> StoreBatch:
+        """vLLM ``_prepare_eager_store_specs``: preemption reset, then the positional scan."""
+        batch = StoreBatch()
+        for rid in out.preempted_req_ids:
+            st = self.reqs_to_store.get(rid)
+            if st is not None:
+                st.block_ids = [[] for _ in range(self.num_groups)]
+                st.num_stored_blocks = [0] * self.num_groups
+        self._plan_before_scan(out, batch)
+        for rid, new_ids, full_table in yield_req_data(out):
+            st = self.reqs_to_store.get(rid)
+            if st is None or st.finished:
+                continue
+            if full_table:
+                st.block_ids = [[] for _ in range(self.num_groups)]
+            if new_ids is not None:
+                for g, ids in enumerate(new_ids):
+                    if ids is not None:
+                        st.block_ids[g].extend(ids)
+            if out.num_scheduled_tokens.get(rid, 0) == 0:
+                continue
+            selected, advance = self._select_eager_blocks_to_store(st, st.block_ids)
+            if selected:
+                self._allocate_store(batch, rid, selected)
+            self._advance_cursors(st, advance)
+        self._plan_after_scan(out, batch)
+        batch.req_ids = list(dict.fromkeys(batch.req_ids))
+        return batch
+
+    def _allocate_store(self, batch: StoreBatch, rid: str | None, selected: list[int]) -> None:
+        """Allocate CPU destinations for ``selected`` GPU blocks and pin both sides."""
+        cpu_ids = self._cpu_alloc(len(selected))
+        if rid is not None:
+            batch.req_ids.append(rid)
+        batch.gpu_ids += selected
+        batch.cpu_ids += cpu_ids
+        self.in_flight_store_gpu_blocks |= set(selected)
+        self.gpu_pool.touch(selected)
+
+    def _cpu_alloc(self, n: int) -> list[int]:
+        """Every CPU allocation goes through here so policies see what it evicted."""
+        blocks = self.cpu_pool.get_new_blocks(n)
+        self._on_cpu_evictions(self.cpu_pool.take_evicted())
+        return blocks
+
+    # -- policy hooks (baseline behaviour) ------------------------------------------------------
+
+    def _plan_before_scan(self, out: SchedulerOutput, batch: StoreBatch) -> None:
+        """Hook: runs after the preemption reset, before the positional scan."""
+
+    def _plan_after_scan(self, out: SchedulerOutput, batch: StoreBatch) -> None:
+        """Hook: runs after the positional scan, before flush transfers are appended."""
+
+    def _on_cpu_evictions(self, evicted: list[tuple[int, BlockKey]]) -> None:
+        """Hook: (CPU block, key) pairs that the last CPU allocation evicted."""
+
+    def _advance_cursors(self, st: StoreState, advance: list[int]) -> None:
+        """Baseline: the cursor moves forward by what the scan passed (relative)."""
+        for g, a in enumerate(advance):
+            st.num_stored_blocks[g] += a
+
+    def _select_eager_blocks_to_store(self, st: StoreState,
+                                      ids_by_group: list[list[int]]) -> tuple[list[int], list[int]]:
+        """vLLM ``_select_eager_blocks_to_store``: the scan of ``[cursor, ready)`` per group."""
+        selected: list[int] = []
+        advance = [0] * self.num_groups
+        free = self.cpu_pool.get_num_free_blocks()
+        for g, ids in enumerate(ids_by_group):
+            if len(selected) >= free:
+                break
+            ready = self._ready_blocks(st, ids)
+            for i in range(st.num_stored_blocks[g], ready):
+                gid = self._store_source(st, g, i, ids[i])
+                if gid is None or self._classify(gid) != READY:
+                    advance[g] += 1
+                    continue
+                if len(selected) >= free:
+                    break
+                selected.append(gid)
+                advance[g] += 1
+        return selected, advance
+
+    # -- shared scan helpers --------------------------------------------------------------------
+
+    def _ready_blocks(self, st: StoreState, ids: list[int]) -> int:
+        """Confirmed full blocks: computed tokens minus output placeholders, capped at the list."""
+        confirmed = st.request.num_computed_tokens - st.request.num_output_placeholders
+        return min(len(ids), max(0, confirmed) // self.block_size)
+
+    def _store_source(self, st: StoreState, g: int, i: int, gid: int) -> int | None:
+        """The GPU block to store for position i: itself, or for a null entry the GPU prefix
+        cache's block for the position's key (vLLM's null recovery); None if neither."""
+        if gid != NULL_BLOCK:
+            return gid
+        hashes = st.request.block_hashes
+        if i >= len(hashes):
+            return None
+        got = self.gpu_pool.get_cached_block(hashes[i], [g])
+        return None if got is None else got[0]
+
+    def _classify(self, gid: int) -> str:
+        """vLLM ``_classify_store_candidate``."""
+        if gid == NULL_BLOCK:
+            return NULL
+        key = self.gpu_pool.block_hash[gid]
+        if key is None:
+            return NOT_HASHED
+        if gid in self.in_flight_store_gpu_blocks:
+            return IN_FLIGHT
+        if self.cpu_pool.get_one_block(key) is not None:
+            return ALREADY_CACHED
+        return READY
+
+    # -- lazy -----------------------------------------------------------------------------------
+
+    def _plan_lazy(self) -> StoreBatch:
+        """vLLM ``_prepare_lazy_store_specs``: copy free hashed GPU blocks near the LRU head."""
+        batch = StoreBatch()
+        if self.target_free <= 0:
+            return batch
+        n_cpu_free = self.cpu_pool.get_num_free_blocks()
+        if self.lazy_cursor is not None and self.gpu_pool.ref_cnt[self.lazy_cursor] > 0:
+            self.lazy_cursor = None
+        selected: list[int] = []
+        last = self.lazy_cursor
+        for covered, b in enumerate(self.gpu_pool.free_queue.iter_after(self.lazy_cursor)):
+            if covered >= self.target_free or len(selected) >= n_cpu_free:
+                break
+            last = b
+            key = self.gpu_pool.block_hash[b]
+            if key is not None and self.cpu_pool.get_one_block(key) is None:
+                selected.append(b)
+        self.lazy_cursor = last
+        if selected:
+            batch.cpu_ids = self._cpu_alloc(len(selected))
+            batch.gpu_ids = selected
+            self.gpu_pool.touch(selected)
+        return batch
+
+    # == worker reports ========================================================================
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Load completions, then store-event counts accumulated to ``world_size``."""
+        for rid in connector_output.finished_recving:
+            if rid not in self.reqs_to_load and rid not in self.abandoned_reqs_to_load:
+                raise UnknownRequestError(f"finished_recving names {rid!r}, which has no load")
+            st = self.reqs_to_load.get(rid) or self.abandoned_reqs_to_load[rid]
+            if st.load_event is None:
+                raise InvalidOperationError(f"finished_recving names {rid!r}, whose load was never sent")
+        for e, c in connector_output.completed_store_events.items():
+            if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < self.store_event_counter:
+                raise UnknownEventError(f"store event {e!r} was never issued")
+            check_count(c, f"worker count for store event {e}", self.config.world_size)
+            if c == 0:
+                raise InvalidOperationError(f"worker count for store event {e} is 0")
+            self._check_completion_hashes(e)
+        # -- all checks done; mutate --
+        for rid in connector_output.finished_recving:
+            self._cleanup_load_request(rid)
+        for e, c in connector_output.completed_store_events.items():
+            total = self.store_event_pending_counts.get(e, 0) + c
+            if total >= self.config.world_size:
+                self.store_event_pending_counts.pop(e, None)
+                self._process_store_event(e)
+            else:
+                self.store_event_pending_counts[e] = total
+
+    def _check_completion_hashes(self, e: int) -> None:
+        t = self.store_event_to_blocks.get(e)
+        for g in t.gpu_ids if t is not None else ():
+            if self.gpu_pool.block_hash[g] is None:
+                raise InvalidOperationError(f"store event {e}: GPU block {g} lost its hash before completion")
+
+    def _process_store_event(self, e: int) -> None:
+        t = self.store_event_to_blocks.pop(e, None)
+        if t is None:
+            abandoned = self.abandoned_store_event_to_blocks.pop(e, None)
+            if abandoned is not None:
+                self._release_transfer_refs(abandoned)
+            return
+        if not self.lazy_mode:
+            self.in_flight_store_gpu_blocks -= set(t.gpu_ids)
+        for g, c in zip(t.gpu_ids, t.cpu_ids, strict=True):
+            key = self.gpu_pool.block_hash[g]
+            assert key is not None  # checked before any change
+            self.cpu_pool.insert_block_hash(key, c)
+        self.cpu_pool.free_blocks(t.cpu_ids)
+        self.gpu_pool.free_blocks(t.gpu_ids)
+        self._on_store_completed(t)
+        for rid in self.store_event_to_reqs.pop(e, []):
+            st = self.reqs_to_store.get(rid)
+            if st is not None:
+                st.store_events.discard(e)
+                if st.finished and not st.store_events:
+                    self._cleanup_store_request(rid)
+
+    def _on_store_completed(self, t: Transfer) -> None:
+        """Hook: a live store transfer completed and was registered."""
+
+    def _release_transfer_refs(self, t: Transfer) -> None:
+        self.cpu_pool.free_blocks(t.cpu_ids)
+        self.gpu_pool.free_blocks(t.gpu_ids)
+
+    def _cleanup_load_request(self, rid: str) -> None:
+        st = self.reqs_to_load.pop(rid, None) or self.abandoned_reqs_to_load.pop(rid, None)
+        if st is None:
+            return
+        if st.load_event is not None:
+            reqs = self.load_event_to_reqs.get(st.load_event)
+            if reqs is not None and rid in reqs:
+                reqs.remove(rid)
+                if not reqs:
+                    del self.load_event_to_reqs[st.load_event]
+        self.cpu_pool.free_blocks(st.transfer.cpu_ids)
+        self.gpu_pool.free_blocks(st.transfer.gpu_ids)
+
+    def _cleanup_store_request(self, rid: str) -> None:
+        st = self.reqs_to_store.pop(rid)
+        for e in st.store_events:
+            reqs = self.store_event_to_reqs.get(e)
+            if reqs is not None and rid in reqs:
+                reqs.remove(rid)
+                if not reqs:
+                    del self.store_event_to_reqs[e]
+
+    # == finish ================================================================================
+
+    def request_finished_all_groups(self, request: RequestView, block_ids: BlockIds) -> tuple[bool, None]:
+        """Flush confirmed-but-unstored blocks of the live table, then finish (§7.13, §7.10)."""
+        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "request_finished")
+        self._queue_finished_eager_store(request, [list(g) for g in ids])
+        return self.request_finished(request)
+
+    def request_finished(self, request: RequestView) -> tuple[bool, None]:
+        """Drop the pin; defer or drop load and store state. The GPU blocks are the caller's."""
+        rid = request.request_id
+        pending = self.pending_cpu_hits.pop(rid, None)
+        if pending is not None:
+            self._free_pending_cpu_hit(pending)
+        ls = self.reqs_to_load.get(rid)
+        if ls is not None:
+            if ls.load_event is not None:
+                ls.finished = True
+            else:
+                self._cleanup_load_request(rid)
+        ss = self.reqs_to_store.get(rid)
+        if ss is not None and not self.lazy_mode:
+            if ss.store_events:
+                ss.finished = True
+            else:
+                self._cleanup_store_request(rid)
+        self._on_request_finished(rid)
+        return False, None
+
+    def _on_request_finished(self, rid: str) -> None:
+        """Hook: the request's store state is finished or gone."""
+
+    def _queue_finished_eager_store(self, request: RequestView, block_ids: list[list[int]]) -> None:
+        st = self.reqs_to_store.get(request.request_id)
+        if st is None or self.lazy_mode:
+            return
+        selected = self._select_finish_flush(st, block_ids)
+        if not selected:
+            return
+        cpu_ids = self._cpu_alloc(len(selected))
+        self.pending_finished_stores.append(Transfer(selected, cpu_ids))
+        self.in_flight_store_gpu_blocks |= set(selected)
+        self.gpu_pool.touch(selected)
+
+    def _select_finish_flush(self, st: StoreState, block_ids: list[list[int]]) -> list[int]:
+        """Baseline flush: the ordinary scan over the live table; cursors not written back."""
+        selected, _ = self._select_eager_blocks_to_store(st, block_ids)
+        return selected
+
+    # == reset =================================================================================
+
+    def reset(self) -> bool:
+        """Abandon-style reset (§7.12). True iff nothing is abandoned and the CPU cache cleared."""
+        for p in self.pending_cpu_hits.values():
+            self._free_pending_cpu_hit(p)
+        self.pending_cpu_hits.clear()
+        self.abandoned_store_event_to_blocks.update(self.store_event_to_blocks)
+        for t in self.pending_finished_stores:
+            self._release_transfer_refs(t)
+        self.pending_finished_stores.clear()
+        self.store_event_to_blocks.clear()
+        self.in_flight_store_gpu_blocks.clear()
+        for rid in list(self.reqs_to_load):
+            st = self.reqs_to_load.pop(rid)
+            if st.load_event is None:
+                self.reqs_to_load[rid] = st
+                self._cleanup_load_request(rid)
+            else:
+                self.abandoned_reqs_to_load[rid] = st
+        self.reqs_to_store.clear()
+        self.store_event_to_reqs.clear()
+        self.store_event_pending_counts = {
+            e: c for e, c in self.store_event_pending_counts.items() if e in self.abandoned_store_event_to_blocks
+        }
+        self.lazy_cursor = None
+        self._on_reset()
+        if self.abandoned_store_event_to_blocks or self.abandoned_reqs_to_load:
+            return False
+        return self.cpu_pool.reset_prefix_cache()
+
+    def _on_reset(self) -> None:
+        """Hook: policy state to forget at reset."""
+
+    def has_pending_stores(self) -> bool:
+        return bool(self.pending_finished_stores or self.store_event_to_blocks
+                    or self.abandoned_store_event_to_blocks)
+
+    # == observation ===========================================================================
+
+    def snapshot(self) -> dict[str, Any]:
+        """Canonical state: both pools and the scheduler (see kvspec.model.snapshot)."""
+        return {
+            "gpu_pool": self.gpu_pool.snapshot(),
+            "cpu_pool": self.cpu_pool.snapshot(),
+            "scheduler": self._scheduler_snapshot(),
+        }
+
+    def _scheduler_snapshot(self) -> dict[str, Any]:
+        def load(st: LoadState) -> dict[str, Any]:
+            return {**st.transfer.to_json(), "load_event": st.load_event, "finished": st.finished}
+
+        return {
+            "policy": self.policy_name,
+            "lazy": self.lazy_mode,
+            "lazy_cursor": self.lazy_cursor,
+            "pending_cpu_hits": {
+                r: {"blocks": [list(g) for g in p.blocks], "hit_len": p.hit_len,
+                    "num_computed_tokens": p.num_computed_tokens}
+                for r, p in sorted(self.pending_cpu_hits.items())
+            },
+            "reqs_to_load": {r: load(st) for r, st in sorted(self.reqs_to_load.items())},
+            "abandoned_reqs_to_load": {r: load(st) for r, st in sorted(self.abandoned_reqs_to_load.items())},
+            "load_event_to_reqs": {str(e): list(rs) for e, rs in sorted(self.load_event_to_reqs.items())},
+            "store_events": {str(e): t.to_json() for e, t in sorted(self.store_event_to_blocks.items())},
+            "abandoned_store_events": {
+                str(e): t.to_json() for e, t in sorted(self.abandoned_store_event_to_blocks.items())
+            },
+            "pending_finished_stores": [t.to_json() for t in self.pending_finished_stores],
+            "reqs_to_store": {
+                r: {"block_ids": [list(g) for g in st.block_ids], "num_stored_blocks": list(st.num_stored_blocks),
+                    "store_events": sorted(st.store_events), "finished": st.finished}
+                for r, st in sorted(self.reqs_to_store.items())
+            },
+            "store_event_to_reqs": {str(e): list(rs) for e, rs in sorted(self.store_event_to_reqs.items())},
+            "in_flight": sorted(self.in_flight_store_gpu_blocks),
+            "load_event_counter": self.load_event_counter,
+            "store_event_counter": self.store_event_counter,
+            "store_event_pending_counts": {str(e): c for e, c in sorted(self.store_event_pending_counts.items())},
+            "policy_state": self._policy_snapshot(),
+        }
+
+    def _policy_snapshot(self) -> dict[str, Any]:
+        """Hook: policy-specific state (empty for the baseline)."""
+        return {}
+
+    def _check(self) -> None:
+        """The invariants that need only this scheduler's own state (pools, I3-I4, I6-I9, I13)."""
+        from kvspec.model.invariants import LOCAL_INVARIANTS, check
+
+        self.gpu_pool._check()
+        self.cpu_pool._check()
+        violations = check(self.snapshot(), LOCAL_INVARIANTS)
+        assert not violations, "\n".join(str(v) for v in violations)
+
