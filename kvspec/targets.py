@@ -1,0 +1,52 @@
+"""Named target factories: everything the harness, the fuzzer and ``replay`` can drive.
+
+A factory takes an ``OffloadConfig`` and returns an ``OffloadTarget``. Names:
+``model`` (the executable specification, any policy), ``impl`` (the torch
+implementation), ``vllm`` (real vLLM 0.33.0 through its adapter; ``baseline`` only),
+and ``bug:<name>`` for each variant of the known-bug catalogue. Factories import
+their modules lazily, so kvspec works without torch-heavy or vLLM imports until a
+target is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from kvspec.errors import ConfigError
+from kvspec.interfaces import OffloadConfig, OffloadTarget
+
+TargetFactory = Callable[[OffloadConfig], OffloadTarget]
+
+_FACTORIES: dict[str, str] = {
+    "model": "kvspec.model:make_scheduler",
+    "impl": "kvspec.impl:make_scheduler",
+    "vllm": "kvspec.vllm_adapter:make_vllm_target",
+}
+
+
+def target_names() -> list[str]:
+    from kvspec.model.bugs import BUGS
+
+    return [*_FACTORIES, *(f"bug:{name}" for name in BUGS)]
+
+
+def get_factory(name: str) -> TargetFactory:
+    """The factory for ``name``; ``ConfigError`` with the known names when unknown."""
+    if name.startswith("bug:"):
+        from kvspec.model.bugs import BUGS, make_bug_target
+
+        bug = name[4:]
+        if bug not in BUGS:
+            raise ConfigError(f"unknown bug variant {bug!r}; known: {', '.join(BUGS)}")
+        return lambda cfg: make_bug_target(bug, cfg)
+    spec = _FACTORIES.get(name)
+    if spec is None:
+        raise ConfigError(f"unknown target {name!r}; known: {', '.join(target_names())}")
+    module, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"target {name!r} is not available here: {exc}") from None
+    factory: TargetFactory = getattr(mod, attr)
+    return factory
