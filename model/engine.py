@@ -271,12 +271,19 @@ class Engine:
             self.gpu.free_blocks([b for b in reversed(r.table[g]) if b != NULL_BLOCK])
         r.table = [[] for _ in range(self.G)]
 
+    def _skipped(self, g: int, num_computed_tokens: int) -> int:
+        """Leading positions of group ``g`` outside the window after ``num_computed_tokens``."""
+        spec = self.config.groups[g]
+        if spec.kind != "sliding":
+            return 0
+        return max(0, num_computed_tokens - spec.sliding_window + 1) // self.B
+
     def _remove_skipped_blocks(self, r: EngineRequest) -> None:
         """Sliding-window positions that left the window become null and are freed."""
         for g, spec in enumerate(self.config.groups):
             if spec.kind != "sliding":
                 continue
-            skipped = max(0, r.num_computed_tokens - spec.sliding_window + 1) // self.B
+            skipped = self._skipped(g, r.num_computed_tokens)
             blocks = r.table[g]
             removed = []
             for i in range(min(skipped, len(blocks)) - 1, -1, -1):
@@ -356,7 +363,10 @@ class Engine:
         self.gpu.touch(hit_blocks)
         r.table = [list(local_blocks[g]) for g in range(self.G)]
         for g in range(self.G):
-            r.table[g].extend(self.gpu.get_new_blocks(per_group_new))
+            # external positions that already left a sliding window get the null block, as
+            # vLLM's ``allocate_new_computed_blocks`` does (the CPU hit has null there too)
+            skip = max(0, self._skipped(g, computed) - local_len // self.B)
+            r.table[g].extend([NULL_BLOCK] * skip + self.gpu.get_new_blocks(per_group_new - skip))
         r.num_computed_tokens = local_len
         full = tuple(list(t) for t in r.table)
         self.target.update_state_after_alloc(r, full, ext)
