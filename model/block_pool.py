@@ -31,15 +31,16 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from kvspec.model.free_queue import FreeBlockQueue
+from kvspec.model.hashing import BlockKey, key_str
+from kvspec.model.prefix_map import PrefixMap
+
 from kvspec.errors import (
     DoubleFreeError,
     InvalidBlockError,
     InvalidCountError,
     OutOfBlocksError,
 )
-from kvspec.model.free_queue import FreeBlockQueue
-from kvspec.model.hashing import BlockKey, key_str
-from kvspec.model.prefix_map import PrefixMap
 
 NULL_BLOCK = 0
 

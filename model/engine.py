@@ -38,6 +38,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvspec.model.block_pool import NULL_BLOCK
+from kvspec.model.hashing import BlockHash, block_hashes, chain_hash
+from kvspec.model.hit_search import find_longest_cache_hit
+
 from kvspec.errors import InvalidCountError, InvalidOperationError, UnknownEventError, UnknownRequestError
 from kvspec.interfaces import (
     CachedRequestData,
@@ -48,9 +52,6 @@ from kvspec.interfaces import (
     SchedulerOutput,
     check_count,
 )
-from kvspec.model.block_pool import NULL_BLOCK
-from kvspec.model.hashing import BlockHash, block_hashes, chain_hash
-from kvspec.model.hit_search import find_longest_cache_hit
 
 WAITING, RUNNING, WAITING_FOR_REMOTE, LOADED, PREEMPTED, FINISHED = (
     "waiting", "running", "waiting_for_remote_kvs", "loaded", "preempted", "finished",
@@ -118,14 +119,16 @@ class Engine:
         self.cpu_data: list[BlockHash | None] = [None] * self.config.num_cpu_blocks
         self.store_transfers: dict[int, tuple[list[int], list[int]]] = {}
         self.store_payload: dict[int, list[BlockHash | None]] = {}
-        self.store_selection_data: dict[int, list[BlockHash | None]] = {}
+        self.store_selection_confirmed: dict[int, list[bool]] = {}
         self.reports_left: dict[int, int] = {}
         self.loads_shipped: dict[str, int] = {}
         self.preempted_since_step: set[str] = set()
         self.finished_since_step: set[str] = set()
         self.step_index = 0
-        self.last_meta: ConnectorMetadata | None = None
-        self.last_reset: tuple[bool, bool] | None = None
+        self.last_op: str | None = None
+        self.last_result: Any = None
+        self.converging_step = False
+        self.last_finish: dict[str, Any] | None = None
 
     # -- dispatch ----------------------------------------------------------------------------
 
@@ -137,9 +140,11 @@ class Engine:
         if handler is None:
             raise InvalidOperationError(f"unknown operation {name!r}")
         try:
-            return handler(**args)
+            result = handler(**args)
         except TypeError as exc:
             raise InvalidOperationError(f"bad arguments for {name}: {exc}") from None
+        self.last_op, self.last_result = name, result
+        return result
 
     # -- operations --------------------------------------------------------------------------
 
@@ -175,6 +180,7 @@ class Engine:
         if len(set(admit)) != len(admit) or len(set(preempt)) != len(preempt):
             raise InvalidOperationError("admit and preempt must not repeat a request")
 
+        self.converging_step = not admit and self._quiescent()
         out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData())
         scheduled: dict[str, int] = {}
         for rid in preempt:
@@ -186,6 +192,7 @@ class Engine:
         for rid in admit:
             if not self._admit(self.requests[rid], chunk, resume, out, scheduled):
                 break
+        self.converging_step = self.converging_step and not scheduled
         out.num_scheduled_tokens = dict(scheduled)
         out.preempted_req_ids = set(self.preempted_since_step)
         out.finished_req_ids = set(self.finished_since_step)
@@ -197,8 +204,20 @@ class Engine:
         self.preempted_since_step.clear()
         self.finished_since_step.clear()
         self.step_index += 1
-        self.last_meta = meta
         return meta
+
+    def _quiescent(self) -> bool:
+        """No transfer or pin outstanding and CPU capacity >= the live working set (C4's premise)."""
+        if self.reports_left or self.loads_shipped:
+            return False
+        snap = self.snapshot()
+        sched = snap["scheduler"]
+        if sched["pending_cpu_hits"] or sched["pending_finished_stores"] or sched["abandoned_store_events"]:
+            return False
+        from kvspec.model.invariants import owned_below_cursor
+
+        working_set = {key for *_, key in owned_below_cursor(snap)}
+        return len(working_set) <= self.config.num_cpu_blocks - 1
 
     def op_report(self, event: int, count: int = 1) -> None:
         """``count`` worker ranks report store ``event`` done."""
@@ -212,7 +231,7 @@ class Engine:
         if self.reports_left[event] == 0:
             del self.reports_left[event]
             cpu_ids = self.store_transfers.pop(event)[1]
-            self.store_selection_data.pop(event, None)
+            self.store_selection_confirmed.pop(event, None)
             for c, data in zip(cpu_ids, self.store_payload.pop(event), strict=True):
                 self.cpu_data[c] = data
 
@@ -236,7 +255,10 @@ class Engine:
             raise InvalidOperationError(f"{rid} already finished")
         self._remove_skipped_blocks(r)
         clipped = tuple(list(t[: -(-r.num_computed_tokens // self.B)]) for t in r.table)
+        expected = self._flush_expectation(r, clipped)
         self.target.request_finished_all_groups(r, clipped)
+        self.last_finish = {"rid": rid, "keys": expected,
+                            "cpu_free_after": self.target.snapshot()["cpu_pool"]["free_queue"].__len__()}
         if r.status == WAITING_FOR_REMOTE and rid in self.loads_shipped:
             r.free_after_load = True
         else:
@@ -247,9 +269,21 @@ class Engine:
     def op_reset(self) -> tuple[bool, bool]:
         """``reset_prefix_cache(reset_connector=True)``: the GPU pool, then the target."""
         gpu_ok = self.gpu.reset_prefix_cache()
-        ok = self.target.reset()
-        self.last_reset = (gpu_ok, ok)
-        return self.last_reset
+        return gpu_ok, self.target.reset()
+
+    def _flush_expectation(self, r: EngineRequest, table: tuple[list[int], ...]) -> list[str]:
+        """Keys the finish flush must cover: owned, hashed, confirmed positions at or after the cursor."""
+        st = self.target.snapshot()["scheduler"]["reqs_to_store"].get(r.request_id)
+        if st is None or st["finished"]:
+            return []
+        confirmed = (r.num_computed_tokens - r.num_output_placeholders) // self.B
+        keys = []
+        for g, ids in enumerate(table):
+            for p in range(st["num_stored_blocks"][g], min(confirmed, len(ids), len(r.block_hashes))):
+                b = ids[p]
+                if b != NULL_BLOCK and self.gpu.block_hash[b] == (r.block_hashes[p], g):
+                    keys.append(f"{r.block_hashes[p]}:{g}")
+        return keys
 
     # -- scheduling pieces -------------------------------------------------------------------
 
@@ -392,13 +426,30 @@ class Engine:
         if meta.store_event >= 0:
             e = meta.store_event
             self.store_transfers[e] = (list(meta.store_gpu_blocks), list(meta.store_cpu_blocks))
-            self.store_selection_data[e] = [self.gpu_data[g] for g in meta.store_gpu_blocks]
+            self.store_selection_confirmed[e] = self._confirmed_at_planning(meta.store_gpu_blocks)
             self.reports_left[e] = self.config.world_size
         if meta.load_event >= 0:
             for g, c in zip(meta.load_gpu_blocks, meta.load_cpu_blocks, strict=True):
                 self.gpu_data[g] = self.cpu_data[c]
             for rid in meta.load_event_to_reqs.get(meta.load_event, []):
                 self.loads_shipped[rid] = meta.load_event
+
+    def _confirmed_at_planning(self, gpu_ids: list[int]) -> list[bool]:
+        """Per block: held by some request at a confirmed position (computed in an earlier step or
+        a prefix hit), or held by no request and already holding its key's data (a free cached
+        block, or a finish flush's pinned block)."""
+        confirmed: set[int] = set()
+        held: set[int] = set()
+        for r in self.requests.values():
+            ready = (r.num_computed_tokens - r.num_output_placeholders) // self.B
+            for t in r.table:
+                held.update(t)
+                confirmed.update(t[:ready])
+        out = []
+        for g in gpu_ids:
+            key = self.gpu.block_hash[g]
+            out.append(g in confirmed or (g not in held and key is not None and self.gpu_data[g] == key[0]))
+        return out
 
     def _forward(self, scheduled: dict[str, int], meta: ConnectorMetadata) -> None:
         """Compute the scheduled tokens, then the store DMA (after the compute-done barrier)."""
@@ -437,8 +488,12 @@ class Engine:
             },
             "gpu_data": list(self.gpu_data),
             "cpu_data": list(self.cpu_data),
-            "store_selection_data": {str(e): d for e, d in sorted(self.store_selection_data.items())},
+            "store_selection_confirmed": {str(e): c for e, c in sorted(self.store_selection_confirmed.items())},
             "reports_left": {str(e): n for e, n in sorted(self.reports_left.items())},
             "loads_in_flight": sorted(self.loads_shipped),
+            "last_op": self.last_op,
+            "last_result": list(self.last_result) if isinstance(self.last_result, tuple) else None,
+            "converging_step": self.converging_step,
+            "last_finish": self.last_finish if self.last_op == "finish" else None,
         }
         return snap

@@ -118,7 +118,7 @@ def _active_store_requests(s: Snapshot) -> Iterable[tuple[str, dict[str, Any], d
         yield rid, st, r
 
 
-def _owned_below_cursor(s: Snapshot) -> Iterable[tuple[str, int, int, int, str]]:
+def owned_below_cursor(s: Snapshot) -> Iterable[tuple[str, int, int, int, str]]:
     """(rid, group, position, block, key) for every position below a live cursor whose
     block the request still owns (its live table holds it) and that is hashed."""
     gpu_hash = s["gpu_pool"]["block_hash"]
@@ -134,7 +134,7 @@ def _owned_below_cursor(s: Snapshot) -> Iterable[tuple[str, int, int, int, str]]
                     yield rid, g, p, b, key
 
 
-def _covered_keys(s: Snapshot) -> set[str]:
+def covered_keys(s: Snapshot) -> set[str]:
     """Keys cached on CPU or being stored by a live transfer."""
     gpu_hash = s["gpu_pool"]["block_hash"]
     keys = set(s["cpu_pool"]["cached"])
@@ -280,12 +280,15 @@ def _i7(s: Snapshot) -> Iterable[Violation]:
 
 @invariant("I8", "no duplicate transfers", enforced_by=("stateful invariant",))
 def _i8(s: Snapshot) -> Iterable[Violation]:
-    """No GPU id twice in one store event; no CPU id the destination of two live stores."""
+    """No GPU id twice in live store transfers (one event or two); no CPU id the destination
+    of two stores."""
     sched = s["scheduler"]
-    for where, t in _live_store_transfers(sched):
-        for b, n in Counter(t["gpu"]).items():
-            if n > 1:
-                yield Violation("I8", f"store {where} lists GPU block {b} {n} times", (b,))
+    gpu_listed: Counter[int] = Counter()
+    for _, t in _live_store_transfers(sched):
+        gpu_listed.update(t["gpu"])
+    for b, n in gpu_listed.items():
+        if n > 1:
+            yield Violation("I8", f"GPU block {b} is listed {n} times in live stores", (b,))
     dests: Counter[int] = Counter()
     for _, t in _all_store_transfers(sched):
         dests.update(t["cpu"])
@@ -308,18 +311,17 @@ def _i9(s: Snapshot) -> Iterable[Violation]:
 
 @invariant("I10", "confirmed-only stores", needs_engine=True, enforced_by=("stateful invariant", "Z3 proof"))
 def _i10(s: Snapshot) -> Iterable[Violation]:
-    """Every GPU block of a live store event already held the data of its key when the event
-    was planned: only computed (confirmed) blocks are stored."""
+    """Every GPU block of a live store event was, when the event was planned, held by a request at
+    a position below its confirmed tokens (or held by none and already holding its key's data)."""
     sched, eng = s["scheduler"], s["engine"]
-    gpu_hash = s["gpu_pool"]["block_hash"]
-    for e, data in eng["store_selection_data"].items():
+    for e, flags in eng["store_selection_confirmed"].items():
         t = sched["store_events"].get(e)
         if t is None:
             continue
-        for g, d in zip(t["gpu"], data, strict=True):
-            if d is None or d != _hash_of(gpu_hash[g]):
-                yield Violation("I10", f"store event {e} planned GPU block {g} (key {gpu_hash[g]}) "
-                                f"holding data {d}", (g,))
+        for g, ok in zip(t["gpu"], flags, strict=True):
+            if not ok:
+                yield Violation("I10", f"store event {e} planned GPU block {g}, which no request had "
+                                "confirmed", (g,))
 
 
 @invariant("I11", "hash fidelity", needs_engine=True)
@@ -351,11 +353,16 @@ def _i12(s: Snapshot) -> Iterable[Violation]:
                                 (gb, cb), (rid,))
             if gpu_hash[gb] is not None:
                 yield Violation("I12", f"load destination GPU {gb} is already hashed {gpu_hash[gb]}", (gb,), (rid,))
+    bs = _block_size(s)
+    groups = eng["config"]["groups"]
     for rid, r in eng["requests"].items():
         if r["status"] not in ("running", "loaded"):
             continue
         for g, table in enumerate(r["table"]):
-            for p in range(min(r["num_computed_tokens"] // _block_size(s), len(table))):
+            first = 0
+            if groups[g]["kind"] == "sliding":  # positions outside the window are neither loaded nor read
+                first = max(0, r["num_computed_tokens"] - groups[g]["sliding_window"] + 1) // bs
+            for p in range(first, min(r["num_computed_tokens"] // bs, len(table))):
                 b = table[p]
                 if b != 0 and eng["gpu_data"][b] != r["block_hashes"][p]:
                     yield Violation("I12", f"group {g} position {p}: GPU block {b} holds data "
@@ -433,8 +440,8 @@ def _i15(s: Snapshot) -> Iterable[Violation]:
 def _c1(s: Snapshot) -> Iterable[Violation]:
     """For an active request and every position below its cursor where it still owns a hashed
     block, that key is cached on CPU or being stored (vLLM 0.33.0 violates this: the FIXME)."""
-    covered = _covered_keys(s)
-    for rid, g, p, b, key in _owned_below_cursor(s):
+    covered = covered_keys(s)
+    for rid, g, p, b, key in owned_below_cursor(s):
         if key not in covered:
             yield Violation("C1", f"group {g} position {p}: key {key} is below the cursor, "
                             "neither cached on CPU nor being stored", (b,), (rid,))
@@ -444,9 +451,9 @@ def _c1(s: Snapshot) -> Iterable[Violation]:
            enforced_by=("stateful invariant", "Z3 proof"))
 def _c2(s: Snapshot) -> Iterable[Violation]:
     """As C1, but a position recorded as lost and pending repair also counts as covered."""
-    covered = _covered_keys(s)
+    covered = covered_keys(s)
     pending = {(r, g, p) for r, g, p in s["scheduler"]["policy_state"].get("lost", [])}
-    for rid, g, p, b, key in _owned_below_cursor(s):
+    for rid, g, p, b, key in owned_below_cursor(s):
         if key not in covered and (rid, g, p) not in pending:
             yield Violation("C2", f"group {g} position {p}: key {key} is lost and not recorded for repair",
                             (b,), (rid,))
@@ -480,6 +487,37 @@ def _c4(s: Snapshot) -> Iterable[Violation]:
         return
     for v in _c1(s):
         yield Violation("C4", "hole survived a converging step: " + v.message, v.blocks, v.requests)
+
+
+@invariant("C5", "same-step protection")
+def _c5(s: Snapshot) -> Iterable[Violation]:
+    """No CPU entry that a planning step (or finish flush) judged "already cached" is evicted by
+    that same step's allocations (T3). Reported by the policy's own bookkeeping."""
+    n = s["scheduler"]["policy_state"].get("self_evictions", 0)
+    if n:
+        yield Violation("C5", f"{n} entries judged already cached were evicted in the same step")
+
+
+@invariant("C6", "no thrash")
+def _c6(s: Snapshot) -> Iterable[Violation]:
+    """No re-store evicts a live entry whose chain prefix is still reachable on CPU (H6).
+    Reported by the policy's own bookkeeping."""
+    n = s["scheduler"]["policy_state"].get("useful_evicted_by_restores", 0)
+    if n:
+        yield Violation("C6", f"re-stores evicted {n} live, reachable entries")
+
+
+@invariant("C7", "finish flush", needs_engine=True)
+def _c7(s: Snapshot) -> Iterable[Violation]:
+    """When a request finishes, each owned, hashed, confirmed position at or after its cursor is
+    cached on CPU or being stored, unless the CPU pool had no free block left (#41704)."""
+    fin = s["engine"].get("last_finish")
+    if not fin or fin["cpu_free_after"] == 0:
+        return
+    covered = covered_keys(s)
+    for key in fin["keys"]:
+        if key not in covered:
+            yield Violation("C7", f"finish left confirmed key {key} unstored", (), (fin["rid"],))
 
 
 LOCAL_INVARIANTS = ("I1", "I2", "I3", "I4", "I6", "I7", "I9", "I13")

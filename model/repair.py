@@ -46,9 +46,9 @@ Rules, each stated once:
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any
 
-from kvspec.interfaces import OffloadConfig, RequestView, SchedulerOutput
 from kvspec.model.block_pool import NULL_BLOCK, BlockPool
 from kvspec.model.hashing import BlockKey, key_str
 from kvspec.model.scheduler import (
@@ -62,12 +62,20 @@ from kvspec.model.scheduler import (
     Transfer,
 )
 
+from kvspec.interfaces import OffloadConfig, RequestView, SchedulerOutput
+
 Position = tuple[str, int, int]  # (request id, group, position)
 Owners = dict[Position, None]  # ordered, so that records are made in a deterministic order
 
 
 class RepairScheduler(OffloadScheduler):
     policy_name = "repair"
+
+    @classmethod
+    def claims(cls, config: OffloadConfig) -> tuple[str, ...]:
+        """Every I-invariant for every configuration, and C2-C7 (C1 only modulo pending repair)."""
+        return ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "I9", "I10", "I11", "I12", "I13", "I14",
+                "I15", "C2", "C3", "C4", "C5", "C6", "C7")
 
     def __init__(self, config: OffloadConfig, gpu_pool: BlockPool) -> None:
         super().__init__(config, gpu_pool)
@@ -78,6 +86,9 @@ class RepairScheduler(OffloadScheduler):
         self.restores_last_plan = 0
         self.lost_keys_at_repair = 0
         self.visits_last_plan = 0
+        self._judged_cached: set[BlockKey] = set()
+        self.self_evictions = 0
+        self.useful_evicted_by_restores = 0
 
     # -- R1: records -------------------------------------------------------------------------
 
@@ -115,6 +126,11 @@ class RepairScheduler(OffloadScheduler):
         return self.cpu_pool.get_one_block(key) is not None or self.in_flight_keys.get(key, 0) > 0
 
     def _on_cpu_evictions(self, evicted: list[tuple[int, BlockKey]]) -> None:
+        self.self_evictions += sum(1 for _, key in evicted if key in self._judged_cached)
+        self._record_losses(evicted)
+
+    def _record_losses(self, evicted: list[tuple[int, BlockKey]]) -> None:
+        """R1: owners of an evicted key that the CPU no longer holds get lost records."""
         for _, key in evicted:
             if self.cpu_pool.get_one_block(key) is not None or not self._is_live(key):
                 continue
@@ -150,7 +166,10 @@ class RepairScheduler(OffloadScheduler):
                 kind = NOT_HASHED if b is None else self._classify_key(b)
                 if kind == READY and self.gpu_pool.block_hash[b] in keys:
                     kind = IN_FLIGHT
-                if kind == READY and len(selected) >= self.cpu_pool.get_num_free_blocks():
+                free = self.cpu_pool.get_num_free_blocks()
+                if kind == READY and len(selected) >= free:
+                    break
+                if kind == ALREADY_CACHED and self._pin_would_starve(b, len(selected), free):
                     break
                 advance[g] += 1
                 if b is None or kind == NOT_HASHED:
@@ -158,13 +177,22 @@ class RepairScheduler(OffloadScheduler):
                 key = self.gpu_pool.block_hash[b]
                 self.owners.setdefault(key, {})[(rid, g, p)] = None
                 if kind == ALREADY_CACHED:
-                    cb = self.cpu_pool.get_one_block(key)
-                    self.cpu_pool.touch([cb])
-                    self._held.append(cb)
+                    self._judged_cached.add(key)
+                    self._protect_cached(self.cpu_pool.get_one_block(key))
                 elif kind == READY:
                     selected.append(b)
                     keys.add(key)
         return selected, advance
+
+    def _pin_would_starve(self, gid: int, n_selected: int, free: int) -> bool:
+        """Out of space for R5: pinning a free cached entry must leave room for the selection."""
+        cb = self.cpu_pool.get_one_block(self.gpu_pool.block_hash[gid])
+        return cb in self.cpu_pool.free_queue and free - 1 < n_selected
+
+    def _protect_cached(self, cb: int) -> None:
+        """R5: pin a CPU entry judged already cached until the step ends."""
+        self.cpu_pool.touch([cb])
+        self._held.append(cb)
 
     # -- planning: R6, R7, R8 ------------------------------------------------------------------
 
@@ -218,12 +246,12 @@ class RepairScheduler(OffloadScheduler):
             return False
         return not self._covered((self.reqs_to_store[rid].request.block_hashes[p - 1], g))
 
-    def _restore(self, wanted: list[tuple[Position, int, BlockKey]]) -> list[tuple[str, int, int]]:
-        """Allocate CPU blocks for ``wanted`` under R7; pin and mark them in flight.
-        O(len(wanted) + live entries refreshed)."""
+    def _choose_victims(self, n: int) -> int:
+        """R7: walk the free queue from the head; refresh live useful entries (pinned until the
+        step ends) until ``n`` acceptable victims lead the queue. Returns how many do."""
         found = 0
         for cb in list(self.cpu_pool.free_queue):
-            if found >= len(wanted):
+            if found >= n:
                 break
             self.visits_last_plan += 1
             if self._acceptable_victim(cb):
@@ -231,8 +259,16 @@ class RepairScheduler(OffloadScheduler):
             else:
                 self.cpu_pool.touch([cb])
                 self._held.append(cb)
+        return found
+
+    def _restore(self, wanted: list[tuple[Position, int, BlockKey]]) -> list[tuple[str, int, int]]:
+        """Allocate CPU blocks for ``wanted`` under R7; pin and mark them in flight.
+        O(len(wanted) + live entries refreshed)."""
+        found = self._choose_victims(len(wanted))
         if found == 0:
             return []
+        victims = list(islice(self.cpu_pool.free_queue, found))
+        self.useful_evicted_by_restores += sum(1 for cb in victims if not self._acceptable_victim(cb))
         taken = wanted[:found]
         cpu_ids = self._cpu_alloc(found)
         for pos, _, _ in taken:
@@ -248,6 +284,7 @@ class RepairScheduler(OffloadScheduler):
             self.in_flight_keys[key] = self.in_flight_keys.get(key, 0) + 1
 
     def _release_held(self) -> None:
+        self._judged_cached.clear()
         if self._held:
             held, self._held = self._held, []
             self.cpu_pool.free_blocks(held)
@@ -311,4 +348,6 @@ class RepairScheduler(OffloadScheduler):
             "in_flight_keys": sorted(key_str(k) for k in self.in_flight_keys),
             "restores_last_plan": self.restores_last_plan,
             "lost_keys_at_repair": self.lost_keys_at_repair,
+            "self_evictions": self.self_evictions,
+            "useful_evicted_by_restores": self.useful_evicted_by_restores,
         }

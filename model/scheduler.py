@@ -44,6 +44,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvspec.model.block_pool import NULL_BLOCK, BlockPool
+from kvspec.model.hashing import BlockKey
+from kvspec.model.hit_search import find_longest_cache_hit
+
 from kvspec.errors import InvalidOperationError, UnknownEventError, UnknownRequestError
 from kvspec.interfaces import (
     BlockIds,
@@ -56,9 +60,6 @@ from kvspec.interfaces import (
     check_count,
     yield_req_data,
 )
-from kvspec.model.block_pool import NULL_BLOCK, BlockPool
-from kvspec.model.hashing import BlockKey
-from kvspec.model.hit_search import find_longest_cache_hit
 
 # Store-candidate classes (vLLM ``_StoreAdmission``).
 NULL, NOT_HASHED, IN_FLIGHT, ALREADY_CACHED, READY = "null", "not_hashed", "in_flight", "already_cached", "ready"
@@ -116,6 +117,16 @@ class OffloadScheduler:
     """The ``baseline`` policy: vLLM 0.33.0 as it is."""
 
     policy_name = "baseline"
+
+    @classmethod
+    def claims(cls, config: OffloadConfig) -> tuple[str, ...]:
+        """Invariant ids this policy guarantees under ``config`` (vLLM 0.33.0's own guarantees).
+        Stale sliding-window ids break I8 and I10 (§10.6, H4), so they are claimed only for
+        full-attention-only configurations; completeness (C1) is not claimed: the FIXME."""
+        ids = ["I1", "I2", "I3", "I4", "I5", "I6", "I7", "I9", "I11", "I12", "I13", "I14", "I15"]
+        if all(g.kind == "full" for g in config.groups):
+            ids += ["I8", "I10"]
+        return tuple(ids)
 
     def __init__(self, config: OffloadConfig, gpu_pool: BlockPool) -> None:
         config.validate()
@@ -269,15 +280,14 @@ class OffloadScheduler:
         for rid in out.preempted_req_ids:
             st = self.reqs_to_store.get(rid)
             if st is not None:
-                st.block_ids = [[] for _ in range(self.num_groups)]
-                st.num_stored_blocks = [0] * self.num_groups
+                self._reset_after_preemption(st)
         self._plan_before_scan(out, batch)
         for rid, new_ids, full_table in yield_req_data(out):
             st = self.reqs_to_store.get(rid)
             if st is None or st.finished:
                 continue
             if full_table:
-                st.block_ids = [[] for _ in range(self.num_groups)]
+                self._replace_for_full_table(st)
             if new_ids is not None:
                 for g, ids in enumerate(new_ids):
                     if ids is not None:
@@ -307,6 +317,15 @@ class OffloadScheduler:
         blocks = self.cpu_pool.get_new_blocks(n)
         self._on_cpu_evictions(self.cpu_pool.take_evicted())
         return blocks
+
+    def _reset_after_preemption(self, st: StoreState) -> None:
+        """A preempted request starts over: no ids, cursors at 0 (the #57816 fix)."""
+        st.block_ids = [[] for _ in range(self.num_groups)]
+        st.num_stored_blocks = [0] * self.num_groups
+
+    def _replace_for_full_table(self, st: StoreState) -> None:
+        """A full table replaces the accumulated ids; cursors are kept."""
+        st.block_ids = [[] for _ in range(self.num_groups)]
 
     # -- policy hooks (baseline behaviour) ------------------------------------------------------
 

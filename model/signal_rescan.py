@@ -32,10 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvspec.interfaces import OffloadConfig, SchedulerOutput
 from kvspec.model.block_pool import BlockPool
 from kvspec.model.hashing import BlockKey
 from kvspec.model.scheduler import READY, OffloadScheduler, StoreBatch, StoreState
+
+from kvspec.interfaces import OffloadConfig, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class SignalRescanOptions:
 
 class SignalRescanScheduler(OffloadScheduler):
     policy_name = "signal-rescan"
+
+    @classmethod
+    def claims(cls, config: OffloadConfig) -> tuple[str, ...]:
+        """The baseline's guarantees plus completeness (C1), which the PR claims to restore."""
+        return (*super().claims(config), "C1")
 
     def __init__(self, config: OffloadConfig, gpu_pool: BlockPool,
                  options: SignalRescanOptions | None = None) -> None:
