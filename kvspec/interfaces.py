@@ -233,13 +233,20 @@ class OffloadTarget(Protocol):
 # -- input checks shared by every target -----------------------------------------------------
 
 
-def check_block_ids(block_ids: object, num_groups: int, num_blocks: int, what: str) -> BlockIds:
-    """Per-group GPU block ids: the right number of groups, every id in range. O(ids)."""
+def check_block_ids(block_ids: object, num_groups: int, num_blocks: int, what: str, *,
+                    none_groups: bool = True) -> BlockIds:
+    """Per-group GPU block ids: the right number of groups, every id in range. O(ids).
+
+    ``none_groups``: a group may be None (a scheduler output's "no new ids"); full tables
+    (``update_state_after_alloc``, ``request_finished_all_groups``) pass False.
+    """
     if not isinstance(block_ids, (tuple, list)) or len(block_ids) != num_groups:
         got = len(block_ids) if isinstance(block_ids, (tuple, list)) else type(block_ids).__name__
         raise GroupCountError(f"{what}: expected block ids for {num_groups} group(s), got {got}")
     for g, ids in enumerate(block_ids):
         if ids is None:
+            if not none_groups:
+                raise GroupCountError(f"{what}: group {g} has no block ids (None)")
             continue
         for b in ids:
             if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:

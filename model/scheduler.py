@@ -181,7 +181,8 @@ class OffloadScheduler:
     def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds,
                                  num_external_tokens: int) -> None:
         """Register store state once; turn the pinned hit into a load of the accepted part."""
-        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "update_state_after_alloc")
+        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "update_state_after_alloc",
+                              none_groups=False)
         rid = request.request_id
         check_count(num_external_tokens, "num_external_tokens", request.num_tokens)
         pending = self.pending_cpu_hits.get(rid)
@@ -268,6 +269,12 @@ class OffloadScheduler:
         return meta
 
     def _check_scheduler_output(self, out: SchedulerOutput) -> None:
+        cr = out.scheduled_cached_reqs
+        if len(cr.req_ids) != len(cr.new_block_ids):
+            raise InvalidOperationError(
+                f"scheduled_cached_reqs lists {len(cr.req_ids)} request id(s) but "
+                f"{len(cr.new_block_ids)} block-id entries"
+            )
         for rid, ids, _ in yield_req_data(out):
             if ids is not None:
                 check_block_ids(ids, self.num_groups, self.gpu_pool.num_blocks, f"scheduler output for {rid}")
@@ -511,7 +518,8 @@ class OffloadScheduler:
 
     def request_finished_all_groups(self, request: RequestView, block_ids: BlockIds) -> tuple[bool, None]:
         """Flush confirmed-but-unstored blocks of the live table, then finish (§7.13, §7.10)."""
-        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "request_finished")
+        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "request_finished",
+                              none_groups=False)
         self._queue_finished_eager_store(request, [list(g) for g in ids])
         return self.request_finished(request)
 
