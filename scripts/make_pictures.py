@@ -1,0 +1,340 @@
+#!/usr/bin/env python3
+"""Draw the pictures of specs/SPEC.md from real runs of the executable model.
+
+Nothing is drawn by hand: each picture runs the engine model (``kvspec.model.engine``)
+on a fixed operation sequence, takes snapshots, and renders what they contain as SVG
+text (no plotting dependency). The output is deterministic, so the committed files
+can be compared with a fresh run (tests/test_pictures.py).
+
+Pictures:
+
+* ``cpu_lru_t2.svg``: the CPU free queue (head = least recently used = evicted first)
+  and the blocks in use, after each operation of the worked trace T2 under
+  ``baseline``: store planned, store completed (blocks join the tail, hashed), a later
+  allocation pops the head and evicts its entries.
+* ``cursor_t2_policies.svg``: the request of T2 position by position (cached on CPU,
+  being stored, lost below the cursor, lost and recorded for repair, not yet
+  scanned) with its cursor, after every step and store completion, under the three
+  re-store policies: ``baseline`` keeps the hole, ``signal-rescan`` thrashes (H6),
+  ``repair`` restores the longest prefix that fits and stops.
+
+Usage: ``scripts/make_pictures.py [--out DIR]`` (default: specs/pictures beside this
+repository's specs/SPEC.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape
+
+from kvspec.model import make_scheduler
+from kvspec.model.engine import Engine
+
+from kvspec.interfaces import OffloadConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "specs" / "pictures"
+
+# T2 (docs/vllm-semantics.md §8): B=16, GPU 16 blocks, CPU 5 blocks (4 usable); R has 6 full
+# blocks + 1 token, prefilled 64 tokens per step, then decodes.
+T2_CONFIG = {"block_size": 16, "num_gpu_blocks": 16, "num_cpu_blocks": 5}
+T2_PREFIX: list[dict[str, Any]] = [
+    {"op": "add", "rid": "R", "family": 1, "prompt_len": 97, "max_tokens": 40},
+    {"op": "step", "admit": ["R"], "chunk": 64},
+    {"op": "step", "chunk": 64},
+    {"op": "report", "event": 0},
+]
+DECODE_STEPS = 6
+
+FONT = "font-family=\"DejaVu Sans Mono, Menlo, Consolas, monospace\""
+COLORS = {
+    "cached": "#7fc97f",
+    "storing": "#80b1d3",
+    "hole": "#e41a1c",
+    "recorded": "#fdb462",
+    "unscanned": "#eeeeee",
+    "free": "#ffffff",
+    "in_use": "#d9d9d9",
+}
+
+
+# -- SVG text --------------------------------------------------------------------------------
+
+
+class Svg:
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.width = 0
+        self.height = 0
+
+    def _grow(self, x: float, y: float) -> None:
+        self.width = max(self.width, int(x) + 10)
+        self.height = max(self.height, int(y) + 10)
+
+    def rect(self, x: float, y: float, w: float, h: float, fill: str, stroke: str = "#333333",
+             stroke_width: float = 1) -> None:
+        self.parts.append(f'<rect x="{x}" y="{y}" width="{w}" height="{h}" fill="{fill}" stroke="{stroke}" '
+                          f'stroke-width="{stroke_width}"/>')
+        self._grow(x + w, y + h)
+
+    def text(self, x: float, y: float, s: str, size: int = 12, anchor: str = "start", weight: str = "normal",
+             fill: str = "#000000") -> None:
+        self.parts.append(f'<text x="{x}" y="{y}" font-size="{size}" text-anchor="{anchor}" '
+                          f'font-weight="{weight}" fill="{fill}" {FONT}>{escape(s)}</text>')
+        self._grow(x + (len(s) * size * 0.62 if anchor == "start" else 0), y + 4)
+
+    def line(self, x1: float, y1: float, x2: float, y2: float, stroke: str = "#000000", width: float = 1) -> None:
+        self.parts.append(f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{stroke}" '
+                          f'stroke-width="{width}"/>')
+        self._grow(max(x1, x2), max(y1, y2))
+
+    def render(self, title: str) -> str:
+        head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width}" height="{self.height}" '
+                f'viewBox="0 0 {self.width} {self.height}">')
+        return "\n".join([head, f"<title>{escape(title)}</title>",
+                          f'<rect x="0" y="0" width="{self.width}" height="{self.height}" fill="#ffffff"/>',
+                          *self.parts, "</svg>"]) + "\n"
+
+
+# -- running the model -----------------------------------------------------------------------
+
+
+def t2_engine(policy: str) -> Engine:
+    return Engine(make_scheduler(OffloadConfig(policy=policy, **T2_CONFIG)))
+
+
+def key_labels(snap: dict[str, Any], rid: str = "R") -> dict[str, str]:
+    """Cache key -> "H<p+1>" for the request's positions (the doc's names)."""
+    hashes = snap["engine"]["requests"][rid]["block_hashes"]
+    return {f"{h}:0": f"H{p + 1}" for p, h in enumerate(hashes)}
+
+
+def describe_op(op: dict[str, Any], before: dict[str, Any], after: dict[str, Any],
+                labels: dict[str, str]) -> list[str]:
+    """What an operation did to the CPU pool, read off the snapshots."""
+    lines: list[str] = []
+    name = op["op"]
+    if name == "step":
+        events = set(after["scheduler"]["store_events"]) - set(before["scheduler"]["store_events"])
+        lines.append(f"step {after['engine']['step']} (build_connector_meta)")
+        for e in sorted(events, key=int):
+            t = after["scheduler"]["store_events"][e]
+            lines.append(f"store event {e} planned: GPU {t['gpu']} -> CPU {t['cpu']}")
+    elif name == "report":
+        lines.append(f"store event {op['event']} completed (update_connector_output)")
+    else:
+        lines.append(name)
+    lost = [k for k in before["cpu_pool"]["cached"] if k not in after["cpu_pool"]["cached"]]
+    if lost:
+        evicted = ", ".join(f"{labels.get(k, k[:6])} (c{before['cpu_pool']['cached'][k][0]})" for k in lost)
+        lines.append(f"evicted: {evicted}")
+    return lines
+
+
+# -- picture (a): the CPU free queue ---------------------------------------------------------
+
+
+@dataclass
+class LruFrame:
+    caption: list[str]
+    queue: list[tuple[int, str]]  # (block, key label or "")
+    in_use: list[tuple[int, int, str]]  # (block, ref, key label or "")
+    evicted: set[int]  # CPU blocks whose cached entry this operation evicted
+
+
+def lru_frames() -> list[LruFrame]:
+    eng = t2_engine("baseline")
+    ops = [*T2_PREFIX, {"op": "step"}, {"op": "report", "event": 1}]
+    frames: list[LruFrame] = []
+    before = None
+    prev_cached: dict[str, list[int]] = {}
+    for i, op in enumerate(ops):
+        eng.apply(op)
+        snap = eng.snapshot()
+        labels = key_labels(snap) if "R" in snap["engine"]["requests"] else {}
+        if i == 0:
+            caption = ["initial: the 4 usable CPU blocks, unhashed, in id order"]
+        else:
+            assert before is not None
+            caption = describe_op(op, before, snap, labels)
+        before = snap
+        if i == 1:  # the prefill step stores nothing (tokens are confirmed one step late)
+            continue
+        cpu = snap["cpu_pool"]
+        lab = [labels.get(k, "") if k else "" for k in cpu["block_hash"]]
+        evicted = {ids[0] for k, ids in prev_cached.items() if k not in cpu["cached"]}
+        prev_cached = cpu["cached"]
+        frames.append(LruFrame(
+            caption,
+            [(b, lab[b]) for b in cpu["free_queue"]],
+            [(b, cpu["ref_cnt"][b], lab[b]) for b in range(1, cpu["num_blocks"]) if cpu["ref_cnt"][b] > 0],
+            evicted,
+        ))
+    return frames
+
+
+def draw_lru(frames: list[LruFrame]) -> str:
+    svg = Svg()
+    svg.text(10, 22, "CPU free queue (LRU order) in trace T2 under baseline: store, completion, eviction",
+             14, weight="bold")
+    svg.text(10, 42, "free queue: head = least recently used = next popped by get_new_blocks, "
+             "its cached entry evicted; completions append at the tail", 11)
+    y = 62
+    bw, bh = 56, 34
+    qx, ux = 20, 420
+    for f in frames:
+        for k, line in enumerate(f.caption):
+            svg.text(10, y + 12 + 15 * k, line, 12, weight="bold" if k == 0 else "normal")
+        y += 15 * len(f.caption) + 8
+        svg.text(qx, y + 10, "free queue: head ->", 10)
+        svg.text(ux, y + 10, "in use (ref >= 1, not in the queue)", 10)
+        by = y + 16
+        for j, (b, lab) in enumerate(f.queue):
+            x = qx + j * (bw + 6)
+            svg.rect(x, by, bw, bh, COLORS["cached"] if lab else COLORS["free"])
+            svg.text(x + bw / 2, by + 14, f"c{b}", 12, "middle", "bold")
+            svg.text(x + bw / 2, by + 28, lab or "-", 11, "middle")
+        if not f.queue:
+            svg.text(qx, by + 22, "(empty)", 11)
+        else:
+            svg.text(qx + len(f.queue) * (bw + 6), by + 22, "<- tail (MRU)", 10)
+        for j, (b, ref, lab) in enumerate(f.in_use):
+            x = ux + j * (bw + 6)
+            svg.rect(x, by, bw, bh, COLORS["storing"], *((COLORS["hole"], 3) if b in f.evicted else ()))
+            svg.text(x + bw / 2, by + 14, f"c{b}", 12, "middle", "bold")
+            svg.text(x + bw / 2, by + 28, f"ref {ref}" + (f" {lab}" if lab else ""), 10, "middle")
+        y = by + bh + 22
+        svg.line(10, y - 10, 700, y - 10, "#bbbbbb")
+    legend = [("cached", "hashed, in the prefix map"), ("free", "unhashed"), ("storing", "store destination")]
+    for j, (c, what) in enumerate(legend):
+        svg.rect(10 + j * 230, y, 14, 14, COLORS[c])
+        svg.text(30 + j * 230, y + 12, what, 11)
+    svg.rect(700, y, 14, 14, COLORS["storing"], COLORS["hole"], 3)
+    svg.text(720, y + 12, "red outline: its entry was just evicted", 11)
+    return svg.render("CPU free queue in trace T2 (baseline)")
+
+
+# -- picture (b): the cursor and its hole ----------------------------------------------------
+
+
+@dataclass
+class CursorRow:
+    caption: str
+    cells: list[str]  # per position: cached, storing, hole, recorded, unscanned
+    cursor: int
+    reachable: int
+
+
+def cursor_row(snap: dict[str, Any], caption: str, rid: str = "R") -> CursorRow:
+    r = snap["engine"]["requests"][rid]
+    st = snap["scheduler"]["reqs_to_store"][rid]
+    gh = snap["gpu_pool"]["block_hash"]
+    cached = set(snap["cpu_pool"]["cached"])
+    live = [*snap["scheduler"]["store_events"].values(), *snap["scheduler"]["pending_finished_stores"]]
+    storing = {gh[g] for t in live for g in t["gpu"]}
+    recorded = {(g, p) for _, g, p in snap["scheduler"]["policy_state"].get("lost", [])}
+    cursor = st["num_stored_blocks"][0]
+    cells = []
+    for p, h in enumerate(r["block_hashes"]):
+        key = f"{h}:0"
+        if key in cached:
+            cells.append("cached")
+        elif key in storing:
+            cells.append("storing")
+        elif p >= cursor:
+            cells.append("unscanned")
+        elif (0, p) in recorded:
+            cells.append("recorded")
+        else:
+            cells.append("hole")
+    reachable = 0
+    while reachable < len(cells) and cells[reachable] == "cached":
+        reachable += 1
+    return CursorRow(caption, cells, cursor, reachable)
+
+
+def cursor_rows(policy: str) -> list[CursorRow]:
+    eng = t2_engine(policy)
+    for op in T2_PREFIX:
+        eng.apply(op)
+    rows = [cursor_row(eng.snapshot(), f"step {eng.snapshot()['engine']['step']}: event 0 stored H1-H4, done")]
+    for _ in range(DECODE_STEPS):
+        meta = eng.apply({"op": "step"})
+        step = eng.snapshot()["engine"]["step"]
+        if meta.store_event < 0:
+            rows.append(cursor_row(eng.snapshot(), f"step {step}: nothing to store"))
+            continue
+        eng.apply({"op": "report", "event": meta.store_event})
+        rows.append(cursor_row(eng.snapshot(), f"step {step}: event {meta.store_event} stored GPU "
+                                               f"{meta.store_gpu_blocks}, done"))
+    return rows
+
+
+def draw_cursor(panels: list[tuple[str, list[CursorRow]]]) -> str:
+    svg = Svg()
+    svg.text(10, 22, "Trace T2: request R position by position (H1..H6), its cursor, and the CPU prefix "
+             "a new identical request could hit", 14, weight="bold")
+    svg.text(10, 40, "CPU pool: 4 usable blocks, R has 6 full blocks; each step is followed by its store "
+             "completion", 11)
+    legend = [("cached", "cached on CPU"), ("storing", "being stored"), ("hole", "lost below the cursor"),
+              ("recorded", "lost, recorded for repair"), ("unscanned", "at/after the cursor")]
+    for j, (c, what) in enumerate(legend):
+        svg.rect(10 + j * 205, 52, 14, 14, COLORS[c])
+        svg.text(28 + j * 205, 64, what, 11)
+    cw, ch, lx = 40, 24, 400
+    y = 90
+    for title, rows in panels:
+        svg.text(10, y + 14, title, 13, weight="bold")
+        y += 22
+        for p in range(len(rows[0].cells)):
+            svg.text(lx + p * cw + cw / 2, y + 10, f"H{p + 1}", 10, "middle")
+        y += 16
+        for row in rows:
+            svg.text(10, y + 16, row.caption, 11)
+            for p, cell in enumerate(row.cells):
+                svg.rect(lx + p * cw, y, cw - 4, ch, COLORS[cell])
+            cx = lx + row.cursor * cw - 2
+            svg.line(cx, y - 3, cx, y + ch + 3, "#000000", 3)
+            svg.text(lx + len(row.cells) * cw + 10, y + 16,
+                     f"cursor {row.cursor}; reachable prefix {row.reachable}", 11)
+            y += ch + 8
+        y += 12
+    svg.text(10, y + 4, "thick bar = the cursor (num_stored_blocks): positions left of it are never "
+             "scanned again by baseline", 11)
+    return svg.render("Trace T2 under baseline, signal-rescan and repair")
+
+
+# -- main ------------------------------------------------------------------------------------
+
+PANEL_TITLES = {
+    "baseline": "baseline (vLLM 0.33.0): H1, H2 evicted below the cursor, never stored again (the FIXME)",
+    "signal-rescan": "signal-rescan (PR #47235): every re-store evicts the next-oldest blocks (H6, period 3)",
+    "repair": "repair (kvspec): lost records re-stored without evicting reachable entries (R1, R7, R8)",
+}
+
+
+def pictures() -> dict[str, str]:
+    """File name -> SVG text."""
+    return {
+        "cpu_lru_t2.svg": draw_lru(lru_frames()),
+        "cursor_t2_policies.svg": draw_cursor([(PANEL_TITLES[p], cursor_rows(p)) for p in PANEL_TITLES]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default specs/pictures)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, text in pictures().items():
+        (args.out / name).write_text(text, encoding="utf-8")
+        print(args.out / name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
