@@ -278,3 +278,150 @@ def write_trace(trace: Trace, out_dir: str | Path, name: str) -> Path:
     path = Path(out_dir) / f"{name}.jsonl"
     trace.write(path)
     return path
+
+
+# -- the Hypothesis state machine -----------------------------------------------------------
+
+
+def make_state_machine(factory: TargetFactory, reference: TargetFactory | None = None,
+                       policy: str = "repair", oracle: tuple[str, ...] | None = None,
+                       trace_dir: str | Path | None = None) -> type:
+    """A ``RuleBasedStateMachine`` driving ``Engine(factory(config))`` for ``policy``.
+
+    Requests live in a bundle (``finish`` consumes them); rules whose arguments depend on
+    the state (admissions, preemptions, reports, load completions) draw from it under
+    preconditions. After every step the oracle (the policy's claims by default) is checked
+    and, with a reference, the snapshots must be equal. A failure is written as a trace.
+    """
+    from hypothesis import event, target
+    from hypothesis import strategies as st
+    from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
+
+    class KVSpecMachine(RuleBasedStateMachine):
+        requests = Bundle("requests")
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.engine: Engine | None = None
+            self.ref: Engine | None = None
+            self.ops: list[dict[str, Any]] = []
+            self.rare = RarePaths()
+            self.config: OffloadConfig | None = None
+            self.max_lost = 0
+
+        def teardown(self) -> None:
+            target(float(self.rare.counts["eviction under a live cursor"]), label="evictions under a live cursor")
+            target(float(self.max_lost), label="pending lost records")
+
+        @initialize(gpu=st.sampled_from([12, 16, 24]), cpu=st.sampled_from([4, 5, 6, 8]),
+                    world=st.sampled_from([1, 2]), swa=st.sampled_from([0, 0, 32]))
+        def setup(self, gpu: int, cpu: int, world: int, swa: int) -> None:
+            groups = (KVGroup(), KVGroup("sliding", sliding_window=swa)) if swa else (KVGroup(),)
+            self.config = OffloadConfig(block_size=16, num_gpu_blocks=gpu, num_cpu_blocks=cpu, world_size=world,
+                                        groups=groups, policy=policy)
+            self.engine = Engine(factory(self.config))
+            self.ref = Engine(reference(self.config)) if reference is not None else None
+
+        # -- applying -------------------------------------------------------------------
+        def _apply(self, op: dict[str, Any], expect_error: bool = False) -> None:
+            assert self.engine is not None
+            self.ops.append({**op, "expect": "error"} if expect_error else op)
+            before = self.engine.snapshot()
+            try:
+                self.engine.apply(op)
+                err = None
+            except KVSpecError as exc:
+                err = exc
+            if self.ref is not None:
+                try:
+                    self.ref.apply(op)
+                    ref_err = None
+                except KVSpecError as exc:
+                    ref_err = exc
+                self._fail_if((err is None) != (ref_err is None), f"target error {err!r}, reference {ref_err!r}")
+            if expect_error:
+                self._fail_if(err is None, f"{op} was not rejected")
+                self._fail_if(self.engine.snapshot() != before, f"rejected {op} changed the state")
+                event("invalid operation rejected")
+            else:
+                self._fail_if(err is not None, f"{op} rejected: {err}")
+                for name in self.rare.observe(before, self.engine.snapshot(), op):
+                    event(name)
+
+        def _fail_if(self, cond: bool, message: str) -> None:
+            if cond:
+                if trace_dir is not None and self.config is not None:
+                    write_trace(Trace(self.config, self.ops, "harness", None, note=message), trace_dir,
+                                f"failure-{policy}")
+                raise AssertionError(message)
+
+        def _waiting(self) -> list[str]:
+            return [r for r, q in self.engine.requests.items() if q.status in ("waiting", "preempted")]
+
+        def _running(self) -> list[str]:
+            return [r for r, q in self.engine.requests.items() if q.status in ("running", "loaded")]
+
+        # -- rules ----------------------------------------------------------------------
+        @rule(target=requests, family=st.integers(0, 2), blocks=st.integers(1, 6), extra=st.sampled_from([0, 1, 8]),
+              max_tokens=st.sampled_from([1, 2, 16, 32]))
+        def add(self, family: int, blocks: int, extra: int, max_tokens: int) -> str:
+            rid = f"r{len(self.engine.requests)}"
+            self._apply({"op": "add", "rid": rid, "family": family, "prompt_len": blocks * 16 + extra,
+                         "max_tokens": max_tokens})
+            return rid
+
+        @rule(data=st.data(), chunk=st.sampled_from([16, 32, 64]), resume=st.sampled_from(["mrv1", "mrv2"]))
+        def step(self, data: Any, chunk: int, resume: str) -> None:
+            waiting, running = self._waiting(), self._running()
+            admit = data.draw(st.lists(st.sampled_from(waiting), unique=True)) if waiting else []
+            preempt = data.draw(st.lists(st.sampled_from(running), unique=True, max_size=1)) if running else []
+            self._apply({"op": "step", "admit": admit, "chunk": chunk, "preempt": preempt, "resume": resume})
+            lost = len(self.engine.snapshot()["scheduler"]["policy_state"].get("lost", []))
+            self.max_lost = max(self.max_lost, lost)
+
+        @precondition(lambda self: self.engine is not None and bool(self.engine.reports_left))
+        @rule(data=st.data())
+        def report(self, data: Any) -> None:
+            e = data.draw(st.sampled_from(sorted(self.engine.reports_left)))
+            count = data.draw(st.integers(1, self.engine.reports_left[e]))
+            self._apply({"op": "report", "event": e, "count": count})
+
+        @precondition(lambda self: self.engine is not None and bool(self.engine.loads_shipped))
+        @rule(data=st.data())
+        def load_done(self, data: Any) -> None:
+            self._apply({"op": "load_done", "rid": data.draw(st.sampled_from(sorted(self.engine.loads_shipped)))})
+
+        @rule(rid=consumes(requests))
+        def finish(self, rid: str) -> None:
+            self._apply({"op": "finish", "rid": rid})
+
+        @precondition(lambda self: self.engine is not None and self.engine.step_index % 4 == 3)
+        @rule()
+        def reset(self) -> None:
+            self._apply({"op": "reset"})
+
+        @rule(bad=st.sampled_from([
+            {"op": "report", "event": 10_000, "count": 1},
+            {"op": "load_done", "rid": "nobody"},
+            {"op": "finish", "rid": "nobody"},
+            {"op": "step", "admit": ["nobody"]},
+            {"op": "step", "chunk": 0},
+            {"op": "add", "rid": "", "family": 0, "prompt_len": 16},
+            {"op": "add", "rid": "x", "family": -1, "prompt_len": 16},
+            {"op": "frobnicate"},
+        ]))
+        def invalid(self, bad: dict[str, Any]) -> None:
+            self._apply(dict(bad), expect_error=True)
+
+        @invariant()
+        def catalogue(self) -> None:
+            if self.engine is None:
+                return
+            ids = oracle if oracle is not None else default_oracle(self.config)
+            found = check(self.engine.snapshot(), ids)
+            self._fail_if(bool(found), "; ".join(str(v) for v in found[:3]))
+            if self.ref is not None:
+                diff = first_difference(self.ref.snapshot(), self.engine.snapshot())
+                self._fail_if(diff is not None, f"divergence: {diff}")
+
+    return KVSpecMachine

@@ -39,9 +39,10 @@ Rules, each stated once:
   the distinct lost keys (C3).
 * **R8 Resume (H3).** A record that finds no space or no acceptable victim stays
   pending and is retried at every later planning step, scheduled or not (H1).
-* **R9 Finish (H1, H2).** The finish flush re-stores the finishing request's own
-  pending records first (prefix order), then flushes ``[cursor, ready)``; what
-  still finds no room is dropped with the request.
+* **R9 Finish (H1, H2).** The finish flush stores ``[cursor, ready)`` of the live
+  table (with R3-R5), then re-stores the finishing request's own pending records
+  with the space left (R6, R7); what still finds no room is dropped with the
+  request, which owns nothing afterwards.
 """
 
 from __future__ import annotations
@@ -318,14 +319,13 @@ class RepairScheduler(OffloadScheduler):
         st = self.reqs_to_store.get(rid)
         if st is None:
             return
-        restored = self._restore(self._repair_candidates((rid, block_ids)))
         selected, _ = self._select_eager_blocks_to_store(st, block_ids)
-        gpu = [gid for _, gid, _ in restored]
-        cpu = [cid for _, _, cid in restored]
-        if selected:
-            cpu += self._cpu_alloc(len(selected))
-            gpu += selected
-            self._mark_in_flight(selected)
+        cpu = self._cpu_alloc(len(selected)) if selected else []
+        gpu = list(selected)
+        self._mark_in_flight(selected)
+        for _, gid, cid in self._restore(self._repair_candidates((rid, block_ids))):
+            gpu.append(gid)
+            cpu.append(cid)
         self._release_held()
         if gpu:
             self.pending_finished_stores.append(Transfer(gpu, cpu))
