@@ -1,0 +1,123 @@
+"""``kvspec verify``: the main job on the embedded default configuration.
+
+Runs, in order: the proofs (``kvspec prove``) when available, a conformance campaign
+(the stateful harness on the model's correct policies, and the implementation
+against the model when it is installed), the known-bug catalogue, and the vLLM
+conformance when vLLM is importable. Prints a summary table (or ``--json``) and
+exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvspec.errors import ConfigError
+from kvspec.harness import generate, random_config, run_ops
+from kvspec.model import make_scheduler
+
+NAME = "verify"
+HELP = "the main job: proofs, a conformance campaign, the known-bug catalogue (and vLLM when installed)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", type=float, default=60.0, help="seconds for the conformance campaign (default 60)")
+    p.add_argument("--bug-budget", type=float, default=5.0, help="seconds per known bug (default 5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+
+def _stage(rows: list[dict[str, Any]], name: str, fn: Callable[[], tuple[bool | None, str]], quiet: bool) -> None:
+    if not quiet:
+        print(f"[verify] {name} ...", file=sys.stderr)
+    t = time.monotonic()
+    ok, detail = fn()
+    rows.append({"stage": name, "result": {True: "pass", False: "FAIL", None: "skipped"}[ok],
+                 "seconds": round(time.monotonic() - t, 2), "detail": detail})
+
+
+def _campaign(policy: str, factory: Any, reference: Any, budget: float, seed: int) -> tuple[bool, str]:
+    rng = random.Random(seed)
+    end = time.monotonic() + budget
+    traces = ops = 0
+    from kvspec.harness import default_oracle
+
+    while time.monotonic() < end:
+        cfg = random_config(rng, policy)
+        trace_ops, _ = generate(cfg, make_scheduler, rng, 60, ())
+        out = run_ops(cfg, trace_ops, factory, default_oracle(cfg), reference)
+        traces += 1
+        ops += out.ops_run
+        if out.failed:
+            return False, f"{traces} traces; {out.describe()}"
+    return True, f"{traces} traces, {ops} operations, no violation"
+
+
+def run(args: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]] = []
+    quiet = args.json
+    try:
+        prove = importlib.import_module("kvspec.commands.prove")
+    except ImportError:
+        prove = None
+
+    def proofs() -> tuple[bool | None, str]:
+        if prove is None or not hasattr(prove, "run_all"):
+            return None, "kvspec.commands.prove is not available"
+        results = prove.run_all()
+        bad = [r for r in results if not r["ok"]]
+        return not bad, f"{len(results)} obligations, {len(bad)} failed"
+
+    _stage(rows, "proofs", proofs, quiet)
+    share = args.budget / 3
+    for policy in ("baseline", "repair"):
+        _stage(rows, f"conformance model/{policy}",
+               lambda p=policy: _campaign(p, make_scheduler, None, share / 2, args.seed), quiet)
+    try:
+        from kvspec.targets import get_factory
+
+        impl = get_factory("impl")
+    except ConfigError:
+        impl = None
+    for policy in ("baseline", "signal-rescan", "repair"):
+        if impl is None:
+            _stage(rows, f"impl vs model/{policy}", lambda: (None, "kvspec.impl is not available"), quiet)
+        else:
+            _stage(rows, f"impl vs model/{policy}",
+                   lambda p=policy: _campaign(p, impl, make_scheduler, share / 3, args.seed), quiet)
+    from kvspec.commands.bugs import hunt
+
+    def bugs() -> tuple[bool, str]:
+        found = hunt(args.bug_budget, 1, quiet=True)
+        missed = [r["bug"] for r in found if not r["found"]]
+        return not missed, f"{len(found) - len(missed)}/{len(found)} known bugs found" + (
+            f"; missed {', '.join(missed)}" if missed else "")
+
+    _stage(rows, "known-bug catalogue", bugs, quiet)
+
+    def vllm() -> tuple[bool | None, str]:
+        try:
+            from kvspec.targets import get_factory
+
+            factory = get_factory("vllm")
+            importlib.import_module("vllm")
+        except (ConfigError, ImportError) as exc:
+            return None, f"vLLM not installed here ({exc.__class__.__name__})"
+        return _campaign("baseline", factory, make_scheduler, share / 2, args.seed)
+
+    _stage(rows, "vLLM 0.33.0 vs model/baseline", vllm, quiet)
+    failed = any(r["result"] == "FAIL" for r in rows)
+    if args.json:
+        print(json.dumps({"ok": not failed, "stages": rows}))
+    else:
+        print(f"{'stage':34} {'result':8} {'seconds':>8}  detail")
+        for r in rows:
+            print(f"{r['stage']:34} {r['result']:8} {r['seconds']:8.1f}  {r['detail']}")
+        print("verify: " + ("FAILED" if failed else "all stages passed or were skipped with a reason"))
+    return 1 if failed else 0
