@@ -1,0 +1,617 @@
+"""Real vLLM 0.33.0 as a kvspec target: its ``BlockPool`` and ``SimpleCPUOffloadScheduler``.
+
+``make_vllm_target(config)`` builds vLLM's own objects (no mocks, no engine, no
+worker) and wraps them in the ``OffloadTarget`` contract, so the engine model, the
+conformance harness, the fuzzer and ``replay`` can drive real vLLM exactly as they
+drive the model:
+
+* **GPU pool:** a vLLM ``BlockPool`` with prefix caching, behind ``VllmGpuPool``,
+  which speaks block ids and kvspec keys ``(hash_hex, group_id)``; vLLM keys are the
+  hash bytes followed by the group id as 4 big-endian bytes.
+* **Manager:** ``SimpleCPUOffloadScheduler`` built from a duck-typed ``vllm_config``
+  (only the attributes the manager reads), a ``KVCacheConfig`` with one
+  ``FullAttentionSpec`` or ``SlidingWindowSpec`` group per configured group, and an
+  explicit ``num_cpu_blocks`` (the CPU null block included, as in kvspec).
+* **Requests:** each kvspec request (``RequestView``) is mirrored by one
+  ``vllm.v1.request.Request`` whose block hasher hands out the view's own hashes, so
+  vLLM sees exactly kvspec's chained hashes. Before every call the mirrors that vLLM
+  can read are synchronised (tokens, computed tokens, output placeholders).
+* **Inputs** are checked with the model's own rules before anything reaches vLLM,
+  so a bad call raises the same ``KVSpecError`` subclass and changes nothing.
+* **snapshot()** reads vLLM's objects back into the model's canonical format.
+
+vLLM is imported only inside ``make_vllm_target``: kvspec imports without it, and a
+missing vLLM is a ``ConfigError`` that says how to get it. Only the ``baseline``
+policy exists in vLLM 0.33.0.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from kvspec.errors import (
+    ConfigError,
+    DoubleFreeError,
+    InvalidBlockError,
+    InvalidCountError,
+    InvalidOperationError,
+    OutOfBlocksError,
+    UnknownEventError,
+    UnknownRequestError,
+)
+from kvspec.interfaces import (
+    BlockIds,
+    ConnectorMetadata,
+    KVConnectorOutput,
+    OffloadConfig,
+    RequestView,
+    SchedulerOutput,
+    check_block_ids,
+    check_count,
+    yield_req_data,
+)
+
+VLLM_VERSION = "0.33.0"
+NULL_BLOCK = 0
+_MAX_MODEL_LEN = 1 << 20
+_GROUP_ID_BYTES = 4
+
+Key = tuple[str, int]
+
+
+# -- keys ------------------------------------------------------------------------------------
+
+
+def hash_to_bytes(block_hash: str) -> bytes:
+    """kvspec's hex block hash as vLLM's ``BlockHash`` bytes."""
+    try:
+        raw = bytes.fromhex(block_hash)
+    except (TypeError, ValueError):
+        raise InvalidOperationError(f"block hash {block_hash!r} is not hex text") from None
+    if not raw:
+        raise InvalidOperationError("empty block hash")
+    return raw
+
+
+def key_to_bytes(key: Key) -> bytes:
+    """``(hash_hex, group_id)`` as vLLM's ``BlockHashWithGroupId``."""
+    return hash_to_bytes(key[0]) + int(key[1]).to_bytes(_GROUP_ID_BYTES, "big")
+
+
+def key_from_bytes(raw: bytes | None) -> Key | None:
+    if raw is None:
+        return None
+    return raw[:-_GROUP_ID_BYTES].hex(), int.from_bytes(raw[-_GROUP_ID_BYTES:], "big")
+
+
+def _key_text(raw: bytes) -> str:
+    h, g = key_from_bytes(raw)  # type: ignore[misc]
+    return f"{h}:{g}"
+
+
+# -- pools -----------------------------------------------------------------------------------
+
+
+class _BlockView:
+    """Read-only per-block attribute of a vLLM pool, indexable by block id."""
+
+    def __init__(self, blocks: list[Any], read: Any) -> None:
+        self._blocks = blocks
+        self._read = read
+
+    def __getitem__(self, block_id: int) -> Any:
+        return self._read(self._blocks[block_id])
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (self._read(b) for b in self._blocks)
+
+
+class _FreeQueueView:
+    """The ids of a vLLM free queue, head (evicted first) to tail."""
+
+    def __init__(self, queue: Any) -> None:
+        self._queue = queue
+
+    def __iter__(self) -> Iterator[int]:
+        return (b.block_id for b in self._queue.iter_blocks_after(None))
+
+    def __len__(self) -> int:
+        return int(self._queue.num_free_blocks)
+
+    def __contains__(self, block_id: object) -> bool:
+        return any(b == block_id for b in self)
+
+
+def _cached_map(pool: Any) -> dict[str, list[int]]:
+    """vLLM's prefix map as ``{"hash:gid": [block ids in insertion order]}``."""
+    out: dict[str, list[int]] = {}
+    for raw, entry in pool.cached_block_hash_to_block._cache.items():
+        ids = [entry.block_id] if not isinstance(entry, dict) else [b.block_id for b in entry.values()]
+        out[_key_text(raw)] = ids
+    return out
+
+
+def pool_snapshot(pool: Any) -> dict[str, Any]:
+    """A vLLM ``BlockPool`` in the model's ``BlockPool.snapshot`` format.
+
+    vLLM's secondary (fine-grained) keys have no place in the model; when any exist
+    they are shown under ``secondary`` so that a comparison with the model fails.
+    """
+    snap: dict[str, Any] = {
+        "num_blocks": pool.num_gpu_blocks,
+        "ref_cnt": [b.ref_cnt for b in pool.blocks],
+        "block_hash": [None if b.block_hash is None else _key_text(b.block_hash) for b in pool.blocks],
+        "free_queue": [b.block_id for b in pool.free_block_queue.iter_blocks_after(None)],
+        "cached": _cached_map(pool),
+    }
+    if pool.cached_block_hashes_by_block:
+        snap["secondary"] = {
+            str(b): sorted(_key_text(k) for k in keys)
+            for b, keys in sorted(pool.cached_block_hashes_by_block.items())
+        }
+    return snap
+
+
+class VllmGpuPool:
+    """A vLLM GPU ``BlockPool`` behind kvspec's ``GpuPool`` contract (block ids, text keys).
+
+    Every call is checked with the model pool's rules first (ids in range, never the
+    null block, no free below ref count 0, no allocation beyond the free count), so a
+    refused call changes nothing, as in the model.
+    """
+
+    def __init__(self, pool: Any, name: str = "gpu") -> None:
+        self.pool = pool
+        self.name = name
+        self.num_blocks: int = pool.num_gpu_blocks
+        self.ref_cnt = _BlockView(pool.blocks, lambda b: b.ref_cnt)
+        self.block_hash = _BlockView(pool.blocks, lambda b: key_from_bytes(b.block_hash))
+        self.free_queue = _FreeQueueView(pool.free_block_queue)
+
+    def get_num_free_blocks(self) -> int:
+        return int(self.pool.get_num_free_blocks())
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise InvalidCountError(f"{self.name}: cannot allocate {n!r} blocks")
+        free = self.get_num_free_blocks()
+        if n > free:
+            raise OutOfBlocksError(f"{self.name}: cannot allocate {n} blocks, only {free} free")
+        return [b.block_id for b in self.pool.get_new_blocks(n)]
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        self._validate(ids, "touch")
+        self.pool.touch([self.pool.blocks[b] for b in ids])
+
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        self._validate(ids, "free")
+        for b, times in Counter(ids).items():
+            if times > self.pool.blocks[b].ref_cnt:
+                raise DoubleFreeError(
+                    f"{self.name}: block {b} freed {times} time(s) with ref count {self.pool.blocks[b].ref_cnt}"
+                )
+        self.pool.free_blocks([self.pool.blocks[b] for b in ids])
+
+    def insert_block_hash(self, key: Key, block_id: int) -> None:
+        """Register a full block under ``key`` (vLLM ``_insert_block_hash``)."""
+        self._validate([block_id], "register")
+        raw = key_to_bytes(key)
+        block = self.pool.blocks[block_id]
+        if block.block_hash == raw:
+            return
+        if block.block_hash is not None:
+            raise InvalidBlockError(
+                f"{self.name}: block {block_id} already cached as {_key_text(block.block_hash)}, "
+                f"cannot also register {key[0]}:{key[1]}"
+            )
+        self.pool._insert_block_hash(raw, block, num_tokens=None)
+
+    def get_cached_block(self, block_hash: str, group_ids: list[int]) -> list[int] | None:
+        got = self.pool.get_cached_block(hash_to_bytes(block_hash), list(group_ids))
+        return None if got is None else [b.block_id for b in got]
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.pool.reset_prefix_cache())
+
+    def snapshot(self) -> dict[str, Any]:
+        return pool_snapshot(self.pool)
+
+    def _validate(self, ids: Sequence[int], what: str) -> None:
+        for b in ids:
+            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < self.num_blocks:
+                raise InvalidBlockError(f"{self.name}: cannot {what} block {b!r}: ids are 0..{self.num_blocks - 1}")
+            if b == NULL_BLOCK:
+                raise InvalidBlockError(f"{self.name}: cannot {what} the null block 0")
+
+
+# -- requests --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Mirror:
+    """A kvspec request and the vLLM ``Request`` that stands for it."""
+
+    view: RequestView
+    request: Any
+
+
+def _tokens_of(view: RequestView) -> list[int] | None:
+    tokens = getattr(view, "all_tokens", None)
+    return list(tokens) if tokens is not None else None
+
+
+# -- the target ------------------------------------------------------------------------------
+
+
+class VllmTarget:
+    """vLLM 0.33.0's ``SimpleCPUOffloadScheduler`` bound to a vLLM GPU ``BlockPool``."""
+
+    policy_name = "baseline"
+
+    def __init__(self, config: OffloadConfig, vllm: SimpleNamespace) -> None:
+        self.config = config
+        self._v = vllm
+        self.num_groups = config.num_groups
+        self.block_size = config.block_size
+        kv_cache_config, page_bytes = self._kv_cache_config()
+        vllm_config = SimpleNamespace(
+            kv_events_config=None,
+            parallel_config=SimpleNamespace(decode_context_parallel_size=1, world_size=config.world_size),
+            speculative_config=None,
+            model_config=SimpleNamespace(max_model_len=_MAX_MODEL_LEN),
+            max_in_flight_tokens=config.max_num_batched_tokens,
+            num_prefill_lookahead_tokens=0,
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=config.max_num_batched_tokens),
+        )
+        self.manager = vllm.SimpleCPUOffloadScheduler(
+            vllm_config,
+            kv_cache_config,
+            cpu_capacity_bytes=page_bytes * config.num_cpu_blocks,
+            scheduler_block_size=config.block_size,
+            hash_block_size=config.block_size,
+            lazy_offload=config.lazy_offload,
+            num_cpu_blocks=config.num_cpu_blocks,
+        )
+        gpu = vllm.BlockPool(config.num_gpu_blocks, enable_caching=True, hash_block_size=config.block_size)
+        self.manager.bind_gpu_block_pool(gpu)
+        self.gpu_pool = VllmGpuPool(gpu, "gpu")
+        self._mirrors: dict[str, _Mirror] = {}
+
+    def _kv_cache_config(self) -> tuple[Any, int]:
+        v, cfg = self._v, self.config
+        tensors, groups = [], []
+        page_bytes = 0
+        for g, spec in enumerate(cfg.groups):
+            common = {"block_size": cfg.block_size, "num_kv_heads": 1, "head_size": 8, "dtype": v.float16}
+            if spec.kind == "sliding":
+                kv_spec = v.SlidingWindowSpec(sliding_window=spec.sliding_window, **common)
+            else:
+                kv_spec = v.FullAttentionSpec(**common)
+            page = kv_spec.page_size_bytes
+            page_bytes = page_bytes or page
+            layer = f"layer.{g}"
+            tensors.append(v.KVCacheTensor(size=page * cfg.num_gpu_blocks, layers=[layer],
+                                           layer_stride=page * cfg.num_gpu_blocks, block_stride=page))
+            groups.append(v.KVCacheGroupSpec([layer], kv_spec))
+        return v.KVCacheConfig(num_blocks=cfg.num_gpu_blocks, kv_cache_tensors=tensors,
+                               kv_cache_groups=groups), page_bytes
+
+    # -- request mirrors ---------------------------------------------------------------------
+
+    def _mirror(self, view: RequestView) -> Any:
+        """The vLLM request for ``view`` (created on first sight), synchronised."""
+        rid = view.request_id
+        m = self._mirrors.get(rid)
+        if m is None:
+            m = _Mirror(view, None)
+            tokens = _tokens_of(view)
+            if tokens is None:
+                tokens = [0] * view.num_tokens
+
+            def hasher(req: Any, m: _Mirror = m) -> list[bytes]:
+                return [hash_to_bytes(h) for h in m.view.block_hashes[len(req.block_hashes):]]
+
+            m.request = self._v.Request(rid, tokens, self._v.SamplingParams(max_tokens=1 << 16), None,
+                                        block_hasher=hasher)
+            self._mirrors[rid] = m
+        m.view = view
+        self._sync(m)
+        return m.request
+
+    def _sync(self, m: _Mirror) -> None:
+        view, req = m.view, m.request
+        n = view.num_tokens
+        if n < req.num_tokens:
+            raise InvalidOperationError(
+                f"{view.request_id}: {n} tokens, fewer than the {req.num_tokens} vLLM already saw"
+            )
+        if n > req.num_tokens:
+            tokens = _tokens_of(view)
+            req.append_output_token_ids(tokens[req.num_tokens:] if tokens is not None else [0] * (n - req.num_tokens))
+        req.update_block_hashes()
+        req.num_computed_tokens = view.num_computed_tokens
+        req.num_output_placeholders = view.num_output_placeholders
+        req.skip_reading_prefix_cache = bool(view.skip_reading_prefix_cache)
+
+    def _sync_known(self) -> None:
+        """Synchronise every request whose state vLLM can read during the next call."""
+        mgr = self.manager
+        live = set(mgr._reqs_to_store) | set(mgr._reqs_to_load) | set(mgr._abandoned_reqs_to_load)
+        for rid in live:
+            m = self._mirrors.get(rid)
+            if m is not None:
+                self._sync(m)
+
+    # -- OffloadTarget: loads ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+        check_count(num_computed_tokens, "num_computed_tokens", request.num_tokens)
+        for h in request.block_hashes:
+            hash_to_bytes(h)
+        req = self._mirror(request)
+        self._sync_known()
+        n, is_async = self.manager.get_num_new_matched_tokens(req, num_computed_tokens)
+        return int(n or 0), bool(is_async)
+
+    def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds,
+                                 num_external_tokens: int) -> None:
+        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "update_state_after_alloc")
+        rid = request.request_id
+        check_count(num_external_tokens, "num_external_tokens", request.num_tokens)
+        pending = self.manager._pending_cpu_hits.get(rid)
+        if num_external_tokens > 0 and pending is not None:
+            self._check_load(rid, ids, pending, num_external_tokens)
+        req = self._mirror(request)
+        self._sync_known()
+        blocks = self._v.KVCacheBlocks(
+            tuple([self.gpu_pool.pool.blocks[b] for b in (g or [])] for g in ids)
+        )
+        self.manager.update_state_after_alloc(req, blocks, num_external_tokens)
+
+    def _check_load(self, rid: str, ids: BlockIds, pending: Any, ext: int) -> None:
+        hits, hit_len, local = pending
+        if ext % self.block_size:
+            raise InvalidOperationError(
+                f"{rid}: num_external_tokens {ext} is not a multiple of the block size {self.block_size}"
+            )
+        if ext > hit_len:
+            raise InvalidOperationError(f"{rid}: accepted {ext} external tokens of a {hit_len}-token hit")
+        if rid in self.manager._reqs_to_load:
+            raise InvalidOperationError(f"{rid}: a load is already registered")
+        start = local // self.block_size
+        for g, group_hits in enumerate(hits):
+            for i, cb in enumerate(group_hits[: -(-ext // self.block_size)]):
+                if cb.is_null:
+                    continue
+                table = ids[g] or []
+                if start + i >= len(table) or table[start + i] == NULL_BLOCK:
+                    raise InvalidOperationError(
+                        f"{rid}: group {g} has no allocated GPU block at position {start + i} for the load"
+                    )
+
+    # -- OffloadTarget: planning -------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
+        out = scheduler_output
+        for rid, ids, _ in yield_req_data(out):
+            if ids is not None:
+                check_block_ids(ids, self.num_groups, self.gpu_pool.num_blocks, f"scheduler output for {rid}")
+        for rid, n in out.num_scheduled_tokens.items():
+            check_count(n, f"num_scheduled_tokens[{rid}]")
+        self._sync_known()
+        meta = self.manager.build_connector_meta(self._scheduler_output(out))
+        return ConnectorMetadata(
+            load_event=meta.load_event,
+            load_gpu_blocks=list(meta.load_gpu_blocks),
+            load_cpu_blocks=list(meta.load_cpu_blocks),
+            load_event_to_reqs={e: list(rs) for e, rs in meta.load_event_to_reqs.items()},
+            store_event=meta.store_event,
+            store_gpu_blocks=list(meta.store_gpu_blocks),
+            store_cpu_blocks=list(meta.store_cpu_blocks),
+            need_flush=bool(meta.need_flush),
+        )
+
+    def _scheduler_output(self, out: SchedulerOutput) -> Any:
+        v = self._v
+
+        def groups(ids: BlockIds) -> tuple[list[int], ...]:
+            return tuple(None if g is None else list(g) for g in ids)  # type: ignore[misc]
+
+        new = [
+            v.NewRequestData(req_id=nr.req_id, prompt_token_ids=None, mm_features=[], sampling_params=None,
+                             pooling_params=None, block_ids=groups(nr.block_ids), num_computed_tokens=0,
+                             lora_request=None)
+            for nr in out.scheduled_new_reqs
+        ]
+        cr = out.scheduled_cached_reqs
+        cached = v.CachedRequestData(
+            req_ids=list(cr.req_ids),
+            resumed_req_ids=set(cr.resumed_req_ids),
+            new_token_ids=[],
+            all_token_ids={},
+            new_block_ids=[None if ids is None else groups(ids) for ids in cr.new_block_ids],
+            num_computed_tokens=[0] * len(cr.req_ids),
+            num_output_tokens=[0] * len(cr.req_ids),
+        )
+        return v.SchedulerOutput(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=dict(out.num_scheduled_tokens),
+            total_num_scheduled_tokens=sum(out.num_scheduled_tokens.values()),
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            finished_req_ids=set(out.finished_req_ids),
+            free_encoder_mm_hashes=[],
+            preempted_req_ids=set(out.preempted_req_ids),
+        )
+
+    # -- OffloadTarget: worker reports --------------------------------------------------------
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        mgr = self.manager
+        for rid in connector_output.finished_recving:
+            st = mgr._reqs_to_load.get(rid) or mgr._abandoned_reqs_to_load.get(rid)
+            if st is None:
+                raise UnknownRequestError(f"finished_recving names {rid!r}, which has no load")
+            if st.load_event is None:
+                raise InvalidOperationError(f"finished_recving names {rid!r}, whose load was never sent")
+        for e, c in connector_output.completed_store_events.items():
+            if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < mgr._store_event_counter:
+                raise UnknownEventError(f"store event {e!r} was never issued")
+            check_count(c, f"worker count for store event {e}", self.config.world_size)
+            if c == 0:
+                raise InvalidOperationError(f"worker count for store event {e} is 0")
+            t = mgr._store_event_to_blocks.get(e)
+            for g in t.gpu_block_ids if t is not None else ():
+                if self.gpu_pool.pool.blocks[g].block_hash is None:
+                    raise InvalidOperationError(f"store event {e}: GPU block {g} lost its hash before completion")
+        self._sync_known()
+        mgr.update_connector_output(self._v.KVConnectorOutput(
+            finished_recving=set(connector_output.finished_recving),
+            kv_connector_worker_meta=self._v.SimpleCPUOffloadWorkerMetadata(
+                completed_store_events=dict(connector_output.completed_store_events)),
+        ))
+
+    # -- OffloadTarget: finish, reset ---------------------------------------------------------
+
+    def request_finished_all_groups(self, request: RequestView, block_ids: BlockIds) -> tuple[bool, None]:
+        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "request_finished")
+        req = self._mirror(request)
+        self._sync_known()
+        done, params = self.manager.request_finished_all_groups(req, tuple(list(g or []) for g in ids))
+        assert params is None
+        return bool(done), None
+
+    def reset(self) -> bool:
+        return bool(self.manager.reset())
+
+    def has_pending_stores(self) -> bool:
+        return bool(self.manager.has_pending_stores())
+
+    # -- observation -------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """vLLM's state in the model's canonical format (``OffloadScheduler.snapshot``)."""
+        return {
+            "gpu_pool": self.gpu_pool.snapshot(),
+            "cpu_pool": pool_snapshot(self.manager.cpu_block_pool),
+            "scheduler": self._scheduler_snapshot(),
+        }
+
+    def _scheduler_snapshot(self) -> dict[str, Any]:
+        mgr = self.manager
+
+        def transfer(t: Any) -> dict[str, list[int]]:
+            return {"gpu": list(t.gpu_block_ids), "cpu": list(t.cpu_block_ids)}
+
+        def load(st: Any) -> dict[str, Any]:
+            return {**transfer(st.transfer_meta), "load_event": st.load_event, "finished": st.finished}
+
+        return {
+            "policy": self.policy_name,
+            "lazy": bool(mgr._lazy_mode),
+            "lazy_cursor": None if mgr._cursor is None else mgr._cursor.block_id,
+            "pending_cpu_hits": {
+                r: {"blocks": [[b.block_id for b in g] for g in blocks], "hit_len": hit_len,
+                    "num_computed_tokens": local}
+                for r, (blocks, hit_len, local) in sorted(mgr._pending_cpu_hits.items())
+            },
+            "reqs_to_load": {r: load(st) for r, st in sorted(mgr._reqs_to_load.items())},
+            "abandoned_reqs_to_load": {r: load(st) for r, st in sorted(mgr._abandoned_reqs_to_load.items())},
+            "load_event_to_reqs": {str(e): list(rs) for e, rs in sorted(mgr._load_event_to_reqs.items())},
+            "store_events": {str(e): transfer(t) for e, t in sorted(mgr._store_event_to_blocks.items())},
+            "abandoned_store_events": {
+                str(e): transfer(t) for e, t in sorted(mgr._abandoned_store_event_to_blocks.items())
+            },
+            "pending_finished_stores": [transfer(t) for t in mgr._pending_finished_stores],
+            "reqs_to_store": {
+                r: {"block_ids": [list(g) for g in st.block_ids], "num_stored_blocks": list(st.num_stored_blocks),
+                    "store_events": sorted(st.store_events), "finished": st.finished}
+                for r, st in sorted(mgr._reqs_to_store.items())
+            },
+            "store_event_to_reqs": {str(e): list(rs) for e, rs in sorted(mgr._store_event_to_reqs.items())},
+            "in_flight": sorted(mgr._in_flight_store_gpu_blocks),
+            "load_event_counter": mgr._load_event_counter,
+            "store_event_counter": mgr._store_event_counter,
+            "store_event_pending_counts": {str(e): c for e, c in sorted(mgr._store_event_pending_counts.items())},
+            "policy_state": {},
+        }
+
+
+# -- factory ---------------------------------------------------------------------------------
+
+
+def _import_vllm() -> SimpleNamespace:
+    """vLLM's classes, imported now; ``ConfigError`` when vLLM 0.33.0 is not importable."""
+    try:
+        import importlib.metadata as metadata
+
+        version = metadata.version("vllm")
+    except Exception:
+        raise ConfigError(
+            "the 'vllm' target needs vLLM 0.33.0, which is not installed here; "
+            "create its venv with scripts/setup-vllm-venv.sh and run kvspec from .vllm-venv"
+        ) from None
+    if version != VLLM_VERSION:
+        raise ConfigError(f"the 'vllm' target is written against vLLM {VLLM_VERSION}, found {version}")
+    try:
+        import torch
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.core.block_pool import BlockPool
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.core.sched.output import CachedRequestData, NewRequestData
+        from vllm.v1.core.sched.output import SchedulerOutput as VllmSchedulerOutput
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+            SlidingWindowSpec,
+        )
+        from vllm.v1.outputs import KVConnectorOutput as VllmKVConnectorOutput
+        from vllm.v1.request import Request
+        from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+        from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
+    except ImportError as exc:
+        raise ConfigError(f"vLLM {VLLM_VERSION} is installed but cannot be imported: {exc}") from None
+    # The manager warns on paths the engine model drives on purpose (a pin dropped by a
+    # new lookup, a refused reset); keep the harness output readable.
+    for name in ("vllm.v1.simple_kv_offload.manager", "vllm.v1.core.block_pool"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return SimpleNamespace(
+        float16=torch.float16, SamplingParams=SamplingParams, BlockPool=BlockPool, KVCacheBlocks=KVCacheBlocks,
+        CachedRequestData=CachedRequestData, NewRequestData=NewRequestData, SchedulerOutput=VllmSchedulerOutput,
+        FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig, KVCacheGroupSpec=KVCacheGroupSpec,
+        KVCacheTensor=KVCacheTensor, SlidingWindowSpec=SlidingWindowSpec, KVConnectorOutput=VllmKVConnectorOutput,
+        Request=Request, SimpleCPUOffloadScheduler=SimpleCPUOffloadScheduler,
+        SimpleCPUOffloadWorkerMetadata=SimpleCPUOffloadWorkerMetadata,
+    )
+
+
+def vllm_available() -> tuple[bool, str]:
+    """(True, "") when vLLM 0.33.0 can be imported here, else (False, why)."""
+    try:
+        _import_vllm()
+    except ConfigError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def make_vllm_target(config: OffloadConfig) -> VllmTarget:
+    """Real vLLM 0.33.0 (``baseline`` only) as an ``OffloadTarget`` for ``config``."""
+    config.validate()
+    if config.policy != "baseline":
+        raise ConfigError(
+            f"vLLM {VLLM_VERSION} implements only the 'baseline' policy, not {config.policy!r}"
+        )
+    return VllmTarget(config, _import_vllm())
