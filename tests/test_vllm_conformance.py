@@ -1,0 +1,375 @@
+"""Conformance of the model's ``baseline`` policy with real vLLM 0.33.0.
+
+The same random engine traces (``kvspec.tracegen.random_ops``) run on
+``Engine(model baseline)`` and ``Engine(VllmTarget)`` side by side. After every
+operation both must agree on the outcome (result, or the ``KVSpecError`` class of a
+rejection) and on the whole snapshot: both pools, the scheduler state and the
+engine's view. Direct calls with bad input must be rejected by both with the same
+error class and change nothing. A failing trace is written in the trace format
+(``kvspec replay`` reads it) under ``KVSPEC_VLLM_TRACE_DIR`` (default: pytest's tmp dir).
+
+Tests that need vLLM carry the ``vllm`` marker and are skipped, with the reason, where
+vLLM 0.33.0 cannot be imported; run them with ``scripts/ci-vllm-stage.sh``.
+``KVSPEC_VLLM_TRACES`` scales the number of traces per configuration (default 12).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvspec.model import make_scheduler
+from kvspec.model.engine import Engine
+from kvspec.model.scheduler import OffloadScheduler
+
+from kvspec.errors import ConfigError, KVSpecError
+from kvspec.harness import first_difference
+from kvspec.interfaces import (
+    CachedRequestData,
+    KVConnectorOutput,
+    KVGroup,
+    NewRequestData,
+    OffloadConfig,
+    SchedulerOutput,
+)
+from kvspec.trace import Trace
+from kvspec.tracegen import random_ops
+from kvspec.vllm_adapter import vllm_available
+
+VLLM_OK, VLLM_WHY = vllm_available()
+
+TRACES = int(os.environ.get("KVSPEC_VLLM_TRACES", "12"))
+OPS_PER_TRACE = 300
+
+
+def _cfg(**kw: Any) -> OffloadConfig:
+    return OffloadConfig(policy="baseline", **kw)
+
+
+CONFIGS: dict[str, OffloadConfig] = {
+    "full-ws1": _cfg(block_size=4, num_gpu_blocks=16, num_cpu_blocks=5),
+    "full-ws1-bigcpu": _cfg(block_size=4, num_gpu_blocks=14, num_cpu_blocks=16),
+    "full-ws2": _cfg(block_size=4, num_gpu_blocks=16, num_cpu_blocks=6, world_size=2),
+    "two-full-ws2": _cfg(block_size=2, num_gpu_blocks=30, num_cpu_blocks=9, groups=(KVGroup(), KVGroup()),
+                         world_size=2),
+    "full+sliding-ws1": _cfg(block_size=4, num_gpu_blocks=24, num_cpu_blocks=7,
+                             groups=(KVGroup(), KVGroup("sliding", 6))),
+    "sliding+full+sliding-ws2": _cfg(block_size=3, num_gpu_blocks=40, num_cpu_blocks=12, world_size=2,
+                                     groups=(KVGroup("sliding", 2), KVGroup(), KVGroup("sliding", 13))),
+    "lazy-full-ws1": _cfg(block_size=4, num_gpu_blocks=16, num_cpu_blocks=6, lazy_offload=True,
+                          max_num_batched_tokens=16),
+    "lazy-full+sliding-ws2": _cfg(block_size=4, num_gpu_blocks=30, num_cpu_blocks=8, world_size=2,
+                                  groups=(KVGroup(), KVGroup("sliding", 5)), lazy_offload=True,
+                                  max_num_batched_tokens=8),
+}
+
+
+# -- the side-by-side runner ------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    traces: int = 0
+    ops: int = 0
+    rejected: int = 0
+    by_op: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Divergence:
+    op_index: int
+    op: dict[str, Any]
+    what: str
+
+
+def _apply(engine: Engine, op: dict[str, Any]) -> tuple[str, Any]:
+    clean = {k: v for k, v in op.items() if k != "expect"}
+    try:
+        return "ok", engine.apply(clean)
+    except KVSpecError as exc:
+        return "rejected", type(exc).__name__
+
+
+def run_side_by_side(config: OffloadConfig, ops: list[dict[str, Any]],
+                     reference: Callable[[OffloadConfig], Any], target: Callable[[OffloadConfig], Any],
+                     tally: Tally | None = None) -> Divergence | None:
+    """Apply ``ops`` to both engines; the first disagreement, or None."""
+    ref, got = Engine(reference(config)), Engine(target(config))
+    for i, op in enumerate(ops):
+        want_out, got_out = _apply(ref, op), _apply(got, op)
+        if want_out != got_out:
+            return Divergence(i, op, f"outcome: reference {want_out!r} != target {got_out!r}")
+        if op.get("expect") == "error" and want_out[0] != "rejected":
+            return Divergence(i, op, "an operation marked invalid was accepted")
+        diff = first_difference(ref.snapshot(), got.snapshot())
+        if diff is not None:
+            return Divergence(i, op, diff)
+        if tally is not None:
+            tally.ops += 1
+            tally.rejected += want_out[0] == "rejected"
+            tally.by_op[op["op"]] = tally.by_op.get(op["op"], 0) + 1
+    return None
+
+
+def trace_for(config: OffloadConfig, seed: int, n_ops: int = OPS_PER_TRACE) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    families = rng.choice([1, 2, 3, 4])
+    return random_ops(config, rng, n_ops, num_families=families, invalid_rate=0.03)
+
+
+def _vllm_factory(config: OffloadConfig) -> Any:
+    from kvspec.vllm_adapter import make_vllm_target
+
+    return make_vllm_target(config)
+
+
+def _write_failure(config: OffloadConfig, seed: int, ops: list[dict[str, Any]], d: Divergence,
+                   tmp_path: Path, name: str) -> Path:
+    out = Path(os.environ.get("KVSPEC_VLLM_TRACE_DIR", tmp_path))
+    path = out / f"vllm-divergence-{name}-seed{seed}.jsonl"
+    Trace(config, ops[: d.op_index + 1], target="vllm", seed=seed,
+          note=f"model baseline vs vLLM 0.33.0 diverge at operation {d.op_index}: {d.what}").write(path)
+    return path
+
+
+# -- conformance over random traces ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
+def test_model_baseline_agrees_with_vllm_after_every_operation(name: str, tmp_path: Path) -> None:
+    config = CONFIGS[name]
+    tally = Tally()
+    for seed in range(TRACES):
+        ops = trace_for(config, seed)
+        d = run_side_by_side(config, ops, make_scheduler, _vllm_factory, tally)
+        if d is not None:
+            path = _write_failure(config, seed, ops, d, tmp_path, name)
+            pytest.fail(f"{name} seed {seed}: operation {d.op_index} {d.op}: {d.what}\ntrace: {path}")
+        tally.traces += 1
+    print(f"\n[vllm conformance] {name}: {tally.traces} traces, {tally.ops} operations in agreement "
+          f"({tally.rejected} rejected by both); {dict(sorted(tally.by_op.items()))}")
+    assert tally.ops == TRACES * OPS_PER_TRACE
+
+
+# -- the comparison can fail -----------------------------------------------------------------------
+
+
+class _FlushFromZero(OffloadScheduler):
+    """Not vLLM: the finish flush scans each group from position 0 instead of the cursor."""
+
+    def _select_finish_flush(self, st: Any, block_ids: list[list[int]]) -> list[int]:
+        saved = st.num_stored_blocks
+        st.num_stored_blocks = [0] * len(saved)
+        try:
+            return self._select_eager_blocks_to_store(st, block_ids)[0]
+        finally:
+            st.num_stored_blocks = saved
+
+
+class _PinReleasedBackwards(OffloadScheduler):
+    """Not vLLM: a Phase-A pin is released in reverse order (changes the CPU LRU order)."""
+
+    def _free_pending_cpu_hit(self, pending: Any) -> None:
+        self.cpu_pool.free_blocks(list(reversed([b for g in pending.blocks for b in g if b != 0])))
+
+
+@pytest.mark.parametrize("variant", [_FlushFromZero, _PinReleasedBackwards])
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
+def test_a_model_that_is_not_vllm_is_caught(variant: type[OffloadScheduler]) -> None:
+    """The side-by-side comparison is not vacuous: small departures from vLLM are found."""
+    from kvspec.model.block_pool import BlockPool
+
+    config = CONFIGS["full-ws1-bigcpu"]
+
+    def reference(cfg: OffloadConfig) -> OffloadScheduler:
+        return variant(cfg, BlockPool(cfg.num_gpu_blocks, "gpu"))
+
+    found = None
+    for seed in range(40):
+        found = run_side_by_side(config, trace_for(config, seed), reference, _vllm_factory)
+        if found is not None:
+            break
+    assert found is not None, f"{variant.__name__} agreed with vLLM on 40 traces"
+
+
+# -- rejections of bad input ------------------------------------------------------------------------
+
+
+def _bad_calls(engine: Engine) -> list[tuple[str, Callable[[Any], Any]]]:
+    """Direct target calls with bad input, built from the engine's current state."""
+    cfg = engine.config
+    G, N = cfg.num_groups, cfg.num_gpu_blocks
+    reqs = list(engine.requests.values())
+    calls: list[tuple[str, Callable[[Any], Any]]] = [
+        ("meta: wrong group count", lambda t: t.build_connector_meta(
+            SchedulerOutput(scheduled_new_reqs=[NewRequestData("x", tuple([1] for _ in range(G + 1)))]))),
+        ("meta: id out of range", lambda t: t.build_connector_meta(
+            SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["x"], [tuple([N] for _ in range(G))])))),
+        ("meta: negative tokens", lambda t: t.build_connector_meta(
+            SchedulerOutput(num_scheduled_tokens={"x": -1}))),
+        ("report: unknown event", lambda t: t.update_connector_output(
+            KVConnectorOutput(completed_store_events={10_000: 1}))),
+        ("report: count 0", lambda t: t.update_connector_output(
+            KVConnectorOutput(completed_store_events={0: 0}))),
+        ("report: count above world size", lambda t: t.update_connector_output(
+            KVConnectorOutput(completed_store_events={0: cfg.world_size + 1}))),
+        ("report: unknown load", lambda t: t.update_connector_output(
+            KVConnectorOutput(finished_recving={"no-such-request"}))),
+        ("gpu: touch null", lambda t: t.gpu_pool.touch([0])),
+        ("gpu: free out of range", lambda t: t.gpu_pool.free_blocks([N])),
+        ("gpu: allocate too many", lambda t: t.gpu_pool.get_new_blocks(N)),
+        ("gpu: allocate negative", lambda t: t.gpu_pool.get_new_blocks(-1)),
+    ]
+    free = list(engine.gpu.free_queue)
+    if free:
+        calls.append(("gpu: double free", lambda t: t.gpu_pool.free_blocks([free[0]])))
+    hashed = [b for b in range(1, N) if engine.gpu.block_hash[b] is not None]
+    if hashed:
+        b = hashed[0]
+        calls.append(("gpu: second key", lambda t: t.gpu_pool.insert_block_hash(("ab" * 8, 0), b)))
+    for r in reqs[:3]:
+        calls += [
+            ("lookup: computed > tokens", lambda t, r=r: t.get_num_new_matched_tokens(r, r.num_tokens + 1)),
+            ("alloc: wrong group count", lambda t, r=r: t.update_state_after_alloc(r, ([],) * (G + 1), 0)),
+            ("alloc: id out of range", lambda t, r=r: t.update_state_after_alloc(r, ([N],) * G, 0)),
+            ("alloc: ext > tokens", lambda t, r=r: t.update_state_after_alloc(r, ([],) * G, r.num_tokens + 1)),
+            ("finish: id out of range", lambda t, r=r: t.request_finished_all_groups(r, ([-1],) * G)),
+        ]
+    pending = engine.target.snapshot()["scheduler"]["pending_cpu_hits"]
+    for rid, hit in list(pending.items())[:2]:
+        r = engine.requests[rid]
+        ext_bad = hit["hit_len"] + cfg.block_size
+        if ext_bad <= r.num_tokens:
+            calls.append(("alloc: ext beyond the hit",
+                          lambda t, r=r, e=ext_bad: t.update_state_after_alloc(r, ([],) * G, e)))
+        if cfg.block_size > 1:
+            calls.append(("alloc: ext off the block grid",
+                          lambda t, r=r: t.update_state_after_alloc(r, ([],) * G, 1)))
+        calls.append(("alloc: load into a missing block",
+                      lambda t, r=r, h=hit: t.update_state_after_alloc(r, ([],) * G, h["hit_len"])))
+    return calls
+
+
+@pytest.mark.parametrize("name", ["full-ws1-bigcpu", "full+sliding-ws1", "full-ws2"])
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
+def test_bad_input_is_rejected_alike_and_changes_nothing(name: str) -> None:
+    config = CONFIGS[name]
+    checked = 0
+    for seed in range(4):
+        ops = trace_for(config, 1000 + seed, 160)
+        ref, got = Engine(make_scheduler(config)), Engine(_vllm_factory(config))
+        for i, op in enumerate(ops):
+            assert _apply(ref, op) == _apply(got, op)
+            if i % 20 != 19:
+                continue
+            before = ref.snapshot()
+            assert first_difference(before, got.snapshot()) is None
+            # the same calls, built from each engine's own (identical) state
+            for (what, call), (_, call_v) in zip(_bad_calls(ref), _bad_calls(got), strict=True):
+                errs = []
+                for engine, fn in ((ref, call), (got, call_v)):
+                    with pytest.raises(KVSpecError) as info:
+                        fn(engine.target)
+                    errs.append(type(info.value).__name__)
+                assert errs[0] == errs[1], f"{what}: model {errs[0]}, vLLM {errs[1]}"
+                assert first_difference(before, ref.snapshot()) is None, f"{what} changed the model"
+                assert first_difference(before, got.snapshot()) is None, f"{what} changed vLLM"
+                checked += 1
+    assert checked > 100
+
+
+# -- the adapter itself ------------------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
+def test_vllm_target_is_registered_and_baseline_only() -> None:
+    from kvspec.interfaces import GpuPool, OffloadTarget
+    from kvspec.targets import get_factory
+
+    target = get_factory("vllm")(CONFIGS["full-ws1"])
+    assert isinstance(target, OffloadTarget)
+    assert isinstance(target.gpu_pool, GpuPool)
+    for policy in ("repair", "signal-rescan"):
+        with pytest.raises(ConfigError, match="baseline"):
+            get_factory("vllm")(replace(CONFIGS["full-ws1"], policy=policy))
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
+def test_vllm_snapshots_follow_the_snapshot_schema() -> None:
+    from kvspec.snapshot_io import snapshot_issues
+
+    config = CONFIGS["full+sliding-ws1"]
+    engine = Engine(_vllm_factory(config))
+    for op in trace_for(config, 7, 120):
+        _apply(engine, op)
+        issues = snapshot_issues(engine.snapshot())
+        assert not issues, issues[:3]
+
+
+def test_without_vllm_the_target_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvspec works without vLLM; asking for the target then says how to get it."""
+    import importlib.metadata
+
+    from kvspec.vllm_adapter import make_vllm_target
+
+    real_version = importlib.metadata.version
+
+    def no_vllm(name: str) -> str:
+        if name == "vllm":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_vllm)
+    with pytest.raises(ConfigError, match=r"setup-vllm-venv\.sh"):
+        make_vllm_target(CONFIGS["full-ws1"])
+
+
+# -- the trace generator (no vLLM needed) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["full-ws1", "full+sliding-ws1", "lazy-full-ws1"])
+def test_random_ops_are_valid_and_reproducible(name: str) -> None:
+    config = CONFIGS[name]
+    ops = random_ops(config, random.Random(5), 250, invalid_rate=0.05)
+    assert ops == random_ops(config, random.Random(5), 250, invalid_rate=0.05)
+    assert ops != random_ops(config, random.Random(6), 250, invalid_rate=0.05)
+    engine = Engine(make_scheduler(config))
+    kinds: dict[str, int] = {}
+    for op in ops:
+        outcome = _apply(engine, op)
+        assert (outcome[0] == "rejected") == (op.get("expect") == "error"), (op, outcome)
+        kinds[op["op"]] = kinds.get(op["op"], 0) + 1
+    assert {"add", "step", "report", "finish"} <= set(kinds)
+    assert Trace(config, ops).dumps().count("\n") == len(ops) + 1
+
+
+def test_random_ops_reach_every_phase() -> None:
+    """Across a few traces: preemption with both resume styles, loads, finishes in every phase."""
+    config = CONFIGS["full-ws1-bigcpu"]
+    seen: set[str] = set()
+    for seed in range(12):
+        engine = Engine(make_scheduler(config))
+        for op in trace_for(config, seed):
+            if op["op"] == "finish" and op.get("expect") != "error":
+                seen.add("finish " + engine.requests[op["rid"]].status)
+            if op["op"] == "step" and op.get("preempt"):
+                seen.add("preempt " + op.get("resume", "mrv1"))
+            _apply(engine, op)
+            if op["op"] == "load_done":
+                seen.add("load_done")
+            if op["op"] == "reset":
+                seen.add("reset")
+    want = {"finish waiting", "finish running", "finish waiting_for_remote_kvs", "finish loaded",
+            "finish preempted", "preempt mrv1", "preempt mrv2", "load_done", "reset"}
+    assert want <= seen, want - seen
