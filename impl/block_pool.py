@@ -1,0 +1,321 @@
+"""A block pool on tensors: vLLM's ``BlockPool`` with batched operations.
+
+Per block an int64 ref count and an int64 key id (-1 = unhashed); the free queue is a
+``FreeList`` and the prefix map a ``PrefixIndex``. Block 0 is the null block: never
+queued, never hashed, ref count 0.
+
+Two faces:
+
+* the **batch face** (``alloc``, ``touch_t``, ``free_t``, ``register_many``,
+  ``first_of``) takes and returns int64 tensors and is what the scheduler plans with;
+  it trusts its caller (ids valid, counts available);
+* the **pool face** (``get_new_blocks``, ``touch``, ``free_blocks``,
+  ``insert_block_hash``, ``get_cached_block``, ``reset_prefix_cache``, plus the
+  ``ref_cnt``/``block_hash``/``free_queue`` views) speaks lists and key tuples, checks
+  its input exactly as the model's ``BlockPool`` does (same ``KVSpecError``
+  subclasses, nothing changed on error) and then calls the batch face. The engine
+  model and the harnesses drive a GPU pool through it.
+
+Rules (vLLM 0.33.0): allocation pops the head and evicts (clears) each block's key;
+touch takes ref-0 blocks out of the queue; free lowers refs per listing and queues
+the blocks that reach 0, unhashed ones at the head and hashed ones at the tail, each
+in the order they reached 0; ``reset_prefix_cache`` needs every non-null block free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from kvspec.impl.free_list import FreeList
+from kvspec.impl.keys import BlockKey, KeyTable
+from kvspec.impl.prefix_index import PrefixIndex
+
+from kvspec.errors import DoubleFreeError, InvalidBlockError, InvalidCountError, OutOfBlocksError
+
+NULL_BLOCK = 0
+
+
+class TensorBlockPool:
+    def __init__(self, num_blocks: int, name: str, keys: KeyTable, device: torch.device) -> None:
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise InvalidCountError(f"{name}: num_blocks must be an int >= 1, got {num_blocks!r}")
+        self.name = name
+        self.num_blocks = num_blocks
+        self.keys = keys
+        self.device = device
+        self.ref = torch.zeros(num_blocks, dtype=torch.int64, device=device)
+        self.key = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
+        self.free = FreeList(num_blocks, torch.arange(1, num_blocks, dtype=torch.int64, device=device), device)
+        self.index = PrefixIndex(num_blocks, self.key, device)
+        self.on_register: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        self.on_alloc: Callable[[torch.Tensor], None] | None = None
+        self._evicted: list[tuple[int, BlockKey]] = []
+        self.record_evictions = True
+
+    # == batch face =================================================================================
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def as_ids(self, ids: Iterable[int] | torch.Tensor) -> torch.Tensor:
+        if isinstance(ids, torch.Tensor):
+            return ids.to(dtype=torch.int64, device=self.device)
+        return torch.tensor(list(ids), dtype=torch.int64, device=self.device)
+
+    def first_of(self, kids: torch.Tensor) -> torch.Tensor:
+        return self.index.first_of(kids)
+
+    def alloc(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pop ``n`` head blocks (ref 1, key cleared): (blocks, evicted blocks, their keys)."""
+        blocks = self.free.pop_head(n)
+        kids = self.key[blocks]
+        hashed = kids >= 0
+        ev_b, ev_k = blocks[hashed], kids[hashed]
+        if ev_b.numel():
+            self.index.remove_many(ev_b, ev_k)
+            self.key[ev_b] = -1
+            if self.record_evictions:
+                self._evicted.extend(zip(ev_b.tolist(), map(self.keys.key, ev_k.tolist()), strict=True))
+        self.ref[blocks] = 1
+        if self.on_alloc is not None:
+            self.on_alloc(blocks)
+        return blocks, ev_b, ev_k
+
+    def touch_t(self, ids: torch.Tensor) -> None:
+        """+1 per listing; blocks at ref 0 leave the free queue."""
+        if ids.numel() == 0:
+            return
+        zero = ids[self.ref[ids] == 0]
+        if zero.numel():
+            self.free.remove(torch.unique(zero) if zero.numel() > 1 else zero)
+        self.ref.index_add_(0, ids, torch.ones_like(ids))
+
+    def free_t(self, ids: torch.Tensor) -> None:
+        """-1 per listing; blocks reaching 0 are queued (unhashed at the head, hashed at the tail)."""
+        n = ids.numel()
+        if n == 0:
+            return
+        if n == 1:
+            b = ids
+            left = self.ref[b] - 1
+            self.ref[b] = left
+            if bool(left[0] == 0):
+                (self.free.prepend if bool(self.key[b][0] < 0) else self.free.append)(b)
+            return
+        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        left = self.ref[uniq] - counts
+        self.ref[uniq] = left
+        zero = left == 0
+        if not bool(zero.any()):
+            return
+        last = torch.full_like(uniq, -1).scatter_reduce_(
+            0, inverse, torch.arange(n, device=self.device), reduce="amax")
+        zb = uniq[zero]
+        zb = zb[torch.argsort(last[zero])]
+        hashed = self.key[zb] >= 0
+        self.free.prepend(zb[~hashed])
+        self.free.append(zb[hashed])
+
+    def register_many(self, kids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Give distinct unhashed ``blocks`` their keys and list them (in order)."""
+        if blocks.numel() == 0:
+            return
+        self.key[blocks] = kids
+        self.index.insert_many(kids, blocks)
+        if self.on_register is not None:
+            self.on_register(kids, blocks)
+
+    def num_used(self) -> int:
+        return self.num_blocks - 1 - self.free.count
+
+    # == pool face (model-compatible, validated) ========================================================
+
+    def get_num_free_blocks(self) -> int:
+        return self.free.count
+
+    def get_one_block(self, key: BlockKey) -> int | None:
+        b = self.index.get_one(self.keys.known_key_id(key))
+        return None if b < 0 else b
+
+    def get_cached_block(self, block_hash: str, group_ids: list[int]) -> list[int] | None:
+        out = []
+        for gid in group_ids:
+            b = self.index.get_one(self.keys.known_key_id((block_hash, gid)))
+            if b < 0:
+                return None
+            out.append(b)
+        return out
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise InvalidCountError(f"{self.name}: cannot allocate {n!r} blocks")
+        if n > self.free.count:
+            raise OutOfBlocksError(f"{self.name}: cannot allocate {n} blocks, only {self.free.count} free")
+        return self.alloc(n)[0].tolist()
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        self._validate(ids, "touch")
+        self.touch_t(self.as_ids(ids))
+
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        self._validate(ids, "free")
+        if not ids:
+            return
+        t = self.as_ids(ids)
+        uniq, counts = torch.unique(t, return_counts=True)
+        over = counts > self.ref[uniq]
+        if bool(over.any()):
+            seen: dict[int, int] = {}
+            for b in ids:
+                seen[b] = seen.get(b, 0) + 1
+            for b, times in seen.items():
+                ref = int(self.ref[b])
+                if times > ref:
+                    raise DoubleFreeError(f"{self.name}: block {b} freed {times} time(s) with ref count {ref}")
+        self.free_t(t)
+
+    def insert_block_hash(self, key: BlockKey, block_id: int) -> None:
+        self._validate([block_id], "register")
+        current = int(self.key[block_id])
+        kid = self.keys.known_key_id(key)
+        if current >= 0 and current == kid:
+            return
+        if current >= 0:
+            raise InvalidBlockError(
+                f"{self.name}: block {block_id} already cached as {self.keys.key_text(current)}, "
+                f"cannot also register {key[0]}:{key[1]}"
+            )
+        kid = self.keys.key_id(key)
+        self.key[block_id] = kid
+        self.index.insert(kid, block_id)
+        if self.on_register is not None:
+            b = torch.tensor([block_id], dtype=torch.int64, device=self.device)
+            self.on_register(torch.tensor([kid], dtype=torch.int64, device=self.device), b)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        self._validate(ids, "evict", allow_null=True)
+        for b in ids:
+            kid = int(self.key[b])
+            if kid >= 0:
+                self.index.remove(b, kid)
+                self.key[b] = -1
+                self._evicted.append((b, self.keys.key(kid)))
+
+    def reset_prefix_cache(self) -> bool:
+        if self.num_used() != 0:
+            return False
+        self.index.clear()
+        self.key.fill_(-1)
+        return True
+
+    def take_evicted(self) -> list[tuple[int, BlockKey]]:
+        out, self._evicted = self._evicted, []
+        return out
+
+    def _validate(self, ids: list[Any], what: str, allow_null: bool = False) -> None:
+        n = self.num_blocks
+        if ids and all(type(b) is int for b in ids) and min(ids) >= (0 if allow_null else 1) and max(ids) < n:
+            return
+        for b in ids:
+            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < n:
+                raise InvalidBlockError(f"{self.name}: cannot {what} block {b!r}: ids are 0..{n - 1}")
+            if b == NULL_BLOCK and not allow_null:
+                raise InvalidBlockError(f"{self.name}: cannot {what} the null block 0")
+
+    # -- views the engine reads ----------------------------------------------------------------------
+
+    @property
+    def ref_cnt(self) -> _RefView:
+        return _RefView(self)
+
+    @property
+    def block_hash(self) -> _HashView:
+        return _HashView(self)
+
+    @property
+    def free_queue(self) -> _QueueView:
+        return _QueueView(self)
+
+    # -- observation -----------------------------------------------------------------------------------
+
+    def key_texts(self, kids: list[int]) -> list[str | None]:
+        cache: dict[int, str] = {}
+        out: list[str | None] = []
+        for k in kids:
+            if k < 0:
+                out.append(None)
+            else:
+                s = cache.get(k)
+                if s is None:
+                    s = cache[k] = self.keys.key_text(k)
+                out.append(s)
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "num_blocks": self.num_blocks,
+            "ref_cnt": self.ref.tolist(),
+            "block_hash": self.key_texts(self.key.tolist()),
+            "free_queue": self.free.order().tolist(),
+            "cached": {self.keys.key_text(k): chain for k, chain in self.index.items()},
+        }
+
+    def memory_bytes(self) -> int:
+        """Bytes of bookkeeping tensors (payloads excluded)."""
+        ts = [self.ref, self.key, self.free.ring, self.free.pos, self.index.nxt, self.index.prv,
+              self.index.first, self.index.last, self.index.stamp]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+class _RefView:
+    def __init__(self, pool: TensorBlockPool) -> None:
+        self._pool = pool
+
+    def __getitem__(self, b: int) -> int:
+        return int(self._pool.ref[b])
+
+    def __len__(self) -> int:
+        return self._pool.num_blocks
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._pool.ref.tolist())
+
+
+class _HashView:
+    def __init__(self, pool: TensorBlockPool) -> None:
+        self._pool = pool
+
+    def __getitem__(self, b: int) -> BlockKey | None:
+        k = int(self._pool.key[b])
+        return None if k < 0 else self._pool.keys.key(k)
+
+    def __len__(self) -> int:
+        return self._pool.num_blocks
+
+    def __iter__(self) -> Iterator[BlockKey | None]:
+        keys = self._pool.keys
+        return iter([None if k < 0 else keys.key(k) for k in self._pool.key.tolist()])
+
+
+class _QueueView:
+    def __init__(self, pool: TensorBlockPool) -> None:
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.free.count
+
+    def __contains__(self, b: object) -> bool:
+        return isinstance(b, int) and 0 <= b < self._pool.num_blocks and self._pool.free.contains(b)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._pool.free.order().tolist())
+
+    def iter_after(self, cursor: int | None) -> Iterator[int]:
+        if cursor is None:
+            return iter(self)
+        return iter(self._pool.free.after(cursor, self._pool.free.count).tolist())

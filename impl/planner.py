@@ -1,0 +1,139 @@
+"""Batched eager store planning: one pass of tensor ops for all scheduled requests.
+
+vLLM scans each scheduled request's positions ``[cursor, ready)`` in turn. Here every
+(request, group, position) candidate of a whole step is laid out in one flat tensor
+in vLLM's visiting order and decided at once:
+
+1. **classify** (vLLM ``_classify_store_candidate``): the source block (a null entry is
+   recovered from the GPU prefix cache by the position's key), then NOT_HASHED,
+   IN_FLIGHT, ALREADY_CACHED or READY from three gathers;
+2. **same-step dedup**: a READY block that an earlier request of the step selects is
+   IN_FLIGHT for the later ones (vLLM adds a request's picks to the in-flight set
+   after its scan, so repeats inside one request are both selected);
+3. **space**: each request may select while the CPU free count read before it lasts,
+   i.e. while the step's running count of READY candidates is within the free count at
+   the start of the step; a cumulative sum finds the selected candidates and, per
+   request and group, where the scan stopped (the cursor passes everything before the
+   first READY candidate that did not fit; a group that starts with no space is not
+   scanned, nor are the request's later groups);
+4. **self-eviction check**: CPU allocation pops the LRU head, which may evict an entry
+   that a later request of the same step classified ALREADY_CACHED (vLLM's T3). The
+   planner peeks at the blocks the step will pop; the first request whose decision
+   could depend on one of them ends the batch, and planning resumes from it with the
+   state after the allocations before it. Each request is therefore decided exactly
+   as in vLLM's sequential loop.
+
+The ``signal-rescan`` policy adds, when its flag was set, the positions ``[0, min(cursor,
+ready))`` before each group's new ones (phase 1a; they never move the cursor).
+Cost per step: O(candidates) tensor work plus O(requests) Python to read the
+requests' token counts; nothing proportional to the pool sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BIG = 1 << 62
+
+
+@dataclass
+class Candidates:
+    occ: torch.Tensor  # local request index
+    g: torch.Tensor
+    p: torch.Tensor
+    phase1: torch.Tensor  # True: [cursor, ready) (moves the cursor); False: rescan of [0, cursor)
+    pair: torch.Tensor  # occ * G + g
+    src: torch.Tensor  # GPU block to store (-1: null and not recoverable)
+
+
+@dataclass
+class Decision:
+    selected: torch.Tensor  # candidate indices, in visiting order
+    src: torch.Tensor  # their GPU blocks
+    advance: torch.Tensor  # [k, G] cursor advance per request and group
+    per_occ: list[int]  # selected count per request
+    cut: int  # requests decided (a prefix of the batch)
+
+
+def layout(cur: torch.Tensor, ready: torch.Tensor, rescan: bool) -> tuple[torch.Tensor, ...] | None:
+    """Flat (occ, g, p, phase1, pair) for ranges [cursor, ready) (after [0, min(cursor, ready)))."""
+    k, G = cur.shape
+    n1 = (ready - cur).clamp(min=0)
+    n0 = torch.minimum(cur, ready).clamp(min=0) if rescan else torch.zeros_like(n1)
+    cnt = (n0 + n1).flatten()
+    total = int(cnt.sum())
+    if total == 0:
+        return None
+    dev = cur.device
+    pair = torch.repeat_interleave(torch.arange(k * G, device=dev), cnt, output_size=total)
+    start = torch.cumsum(cnt, 0) - cnt
+    local = torch.arange(total, device=dev) - start[pair]
+    n0f = n0.flatten()[pair]
+    phase1 = local >= n0f
+    p = torch.where(phase1, cur.flatten()[pair] + local - n0f, local)
+    return pair // G, pair % G, p, phase1, pair
+
+
+def decide(c: Candidates, k: int, G: int, gpu_key: torch.Tensor, in_flight: torch.Tensor,
+           cpu_first_of: Callable[[torch.Tensor], torch.Tensor], cpu_key: torch.Tensor,
+           peek_cpu_head: Callable[[int], torch.Tensor], free0: int, cross_request: bool) -> Decision:
+    dev = c.src.device
+    n = c.src.numel()
+    valid = c.src > 0
+    src = c.src.clamp(min=0)
+    key = torch.where(valid, gpu_key[src], -1)
+    hashed = key >= 0
+    movable = hashed & ~in_flight[src]
+    cached = cpu_first_of(key) >= 0
+    ready = movable & ~cached
+    already = movable & cached
+    if cross_request and k > 1:
+        idx = ready.nonzero().flatten()
+        if idx.numel() > 1:
+            uniq, inv = torch.unique(src[idx], return_inverse=True)
+            first = torch.full((uniq.numel(),), BIG, dtype=torch.int64, device=dev)
+            first.scatter_reduce_(0, inv, c.occ[idx], reduce="amin")
+            late = c.occ[idx] > first[inv]
+            if bool(late.any()):
+                ready[idx[late]] = False
+    cum = torch.cumsum(ready.to(torch.int64), 0)
+    sel = ready & (cum <= free0)
+    stop = ready & ~sel
+    sel_per_occ = torch.zeros(k, dtype=torch.int64, device=dev).scatter_add_(0, c.occ, sel.to(torch.int64))
+    cut = k
+    K = int(sel_per_occ.sum())
+    if K > 0 and bool(already.any()):
+        popped_keys = cpu_key[peek_cpu_head(K)]
+        hk = (popped_keys >= 0).nonzero().flatten()
+        if hk.numel():
+            ks, order = torch.sort(popped_keys[hk], stable=True)
+            kpos = hk[order]
+            ai = already.nonzero().flatten()
+            akey = key[ai]
+            at = torch.searchsorted(ks, akey).clamp(max=ks.numel() - 1)
+            found = ks[at] == akey
+            before = torch.cumsum(sel_per_occ, 0) - sel_per_occ
+            danger = found & (kpos[at] < before[c.occ[ai]])
+            if bool(danger.any()):
+                cut = int(c.occ[ai[danger]].min())
+    idx = torch.arange(n, device=dev)
+    first_idx = torch.full((k * G,), BIG, dtype=torch.int64, device=dev)
+    first_idx.scatter_reduce_(0, c.pair, idx, reduce="amin")
+    excl = cum - ready.to(torch.int64)
+    alive = excl[first_idx.clamp(max=max(n - 1, 0))] < free0
+    stop_at = torch.full((k * G,), BIG, dtype=torch.int64, device=dev)
+    s1 = (stop & c.phase1).nonzero().flatten()
+    if s1.numel():
+        stop_at.scatter_reduce_(0, c.pair[s1], s1, reduce="amin")
+    moves = c.phase1 & alive[c.pair] & (idx < stop_at[c.pair])
+    if cut < k:
+        keep = c.occ < cut
+        sel &= keep
+        moves &= keep
+        sel_per_occ[cut:] = 0
+    advance = torch.zeros(k * G, dtype=torch.int64, device=dev).scatter_add_(0, c.pair, moves.to(torch.int64))
+    chosen = sel.nonzero().flatten()
+    return Decision(chosen, c.src[chosen], advance.view(k, G), sel_per_occ.tolist(), cut)

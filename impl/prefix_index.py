@@ -1,0 +1,166 @@
+"""The prefix-cache map (vLLM ``BlockHashToBlockMap``) on tensors: key id -> block ids.
+
+A block carries at most one key (the pool's ``key`` tensor), so the blocks of one key
+form a chain through two per-block link tensors (``nxt``, ``prv``) with its ends in
+two per-key tensors (``first``, ``last``). Duplicates are allowed and kept in
+insertion order; ``get_one_block`` is ``first[key]``. ``stamp[key]`` records when the
+key last became present, which gives the map's key order (a dict's order) for the
+snapshot.
+
+Batch operations, each a handful of tensor ops:
+
+* ``first_of(kids)``: the first block of many keys at once (-1 for absent or no key);
+* ``insert_many(kids, blocks)``: appends in list order, several blocks per key allowed
+  (a stable sort groups them and links each run);
+* ``remove_many(blocks)``: unlinks blocks from their chains; when two of them are
+  neighbours in one chain (only with duplicate entries) the pair is done in order.
+
+Per-key tensors grow by doubling as keys are interned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PrefixIndex:
+    def __init__(self, num_blocks: int, block_key: torch.Tensor, device: torch.device) -> None:
+        self.device = device
+        self.block_key = block_key  # the owning pool's per-block key ids (shared tensor)
+        self.nxt = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
+        self.prv = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
+        self.first = torch.full((64,), -1, dtype=torch.int64, device=device)
+        self.last = torch.full((64,), -1, dtype=torch.int64, device=device)
+        self.stamp = torch.zeros(64, dtype=torch.int64, device=device)
+        self.clock = 0
+        self.num_keys = 0
+
+    def ensure(self, key_capacity: int) -> None:
+        """Make room for key ids below ``key_capacity``."""
+        cap = self.first.numel()
+        if key_capacity <= cap:
+            return
+        new = max(key_capacity, 2 * cap)
+        pad = new - cap
+        self.first = torch.cat([self.first, self.first.new_full((pad,), -1)])
+        self.last = torch.cat([self.last, self.last.new_full((pad,), -1)])
+        self.stamp = torch.cat([self.stamp, self.stamp.new_zeros(pad)])
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def first_of(self, kids: torch.Tensor) -> torch.Tensor:
+        """First block per key id (-1 where the key is absent or the id is -1 / unknown)."""
+        ok = (kids >= 0) & (kids < self.first.numel())
+        safe = torch.where(ok, kids, 0)
+        return torch.where(ok, self.first[safe], -1)
+
+    def get_one(self, kid: int) -> int:
+        if kid < 0 or kid >= self.first.numel():
+            return -1
+        return int(self.first[kid])
+
+    def items(self) -> list[tuple[int, list[int]]]:
+        """(key id, blocks in insertion order) in the map's key order. O(keys + blocks)."""
+        present = (self.first >= 0).nonzero().flatten()
+        if present.numel() == 0:
+            return []
+        present = present[torch.argsort(self.stamp[present])]
+        firsts = self.first[present].tolist()
+        lasts = self.last[present].tolist()
+        out = []
+        nxt = None
+        for kid, f, last in zip(present.tolist(), firsts, lasts, strict=True):
+            chain = [f]
+            if f != last:
+                if nxt is None:
+                    nxt = self.nxt.tolist()
+                b = f
+                while b != last:
+                    b = nxt[b]
+                    chain.append(b)
+            out.append((kid, chain))
+        return out
+
+    # -- changing --------------------------------------------------------------------------
+
+    def insert(self, kid: int, block: int) -> None:
+        self.ensure(kid + 1)
+        tail = int(self.last[kid])
+        if tail < 0:
+            self.first[kid] = block
+            self.stamp[kid] = self.clock
+            self.clock += 1
+            self.num_keys += 1
+        else:
+            self.nxt[tail] = block
+            self.prv[block] = tail
+        self.last[kid] = block
+
+    def insert_many(self, kids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Append ``blocks[i]`` under ``kids[i]`` for i in order (blocks distinct, unlisted)."""
+        n = kids.numel()
+        if n == 0:
+            return
+        self.ensure(int(kids.max()) + 1)
+        order = torch.argsort(kids, stable=True)
+        sk, sb = kids[order], blocks[order]
+        start = torch.ones(n, dtype=torch.bool, device=self.device)
+        start[1:] = sk[1:] != sk[:-1]
+        end = torch.ones(n, dtype=torch.bool, device=self.device)
+        end[:-1] = start[1:]
+        old_last = self.last[sk]
+        prev = torch.empty_like(sb)
+        prev[1:] = sb[:-1]
+        prev = torch.where(start, old_last, prev)
+        nxt = torch.full_like(sb, -1)
+        nxt[:-1] = sb[1:]
+        nxt = torch.where(end, -1, nxt)
+        self.prv[sb] = prev
+        self.nxt[sb] = nxt
+        head_k, head_b, head_old = sk[start], sb[start], old_last[start]
+        joined = head_old >= 0
+        self.nxt[head_old[joined]] = head_b[joined]
+        new_k, new_b = head_k[~joined], head_b[~joined]
+        self.first[new_k] = new_b
+        if new_k.numel():
+            first_seen = order[start][~joined]  # original index of each new key's first block
+            rank = torch.argsort(torch.argsort(first_seen))
+            self.stamp[new_k] = self.clock + rank
+            self.clock += new_k.numel()
+            self.num_keys += new_k.numel()
+        self.last[sk[end]] = sb[end]
+
+    def remove_many(self, blocks: torch.Tensor, kids: torch.Tensor) -> None:
+        """Unlink distinct listed ``blocks`` (``kids[i]`` = key of ``blocks[i]``)."""
+        if blocks.numel() == 0:
+            return
+        prv, nxt = self.prv[blocks], self.nxt[blocks]
+        if bool(((prv < 0) & (nxt < 0)).all()):  # every block alone under its key
+            self.first[kids] = -1
+            self.last[kids] = -1
+            self.num_keys -= blocks.numel()
+            return
+        for b, k in zip(blocks.tolist(), kids.tolist(), strict=True):
+            self.remove(b, k)
+
+    def remove(self, block: int, kid: int) -> None:
+        p, n = int(self.prv[block]), int(self.nxt[block])
+        if p >= 0:
+            self.nxt[p] = n
+        else:
+            self.first[kid] = n
+        if n >= 0:
+            self.prv[n] = p
+        else:
+            self.last[kid] = p
+        if p < 0 and n < 0:
+            self.num_keys -= 1
+        self.prv[block] = -1
+        self.nxt[block] = -1
+
+    def clear(self) -> None:
+        self.first.fill_(-1)
+        self.last.fill_(-1)
+        self.nxt.fill_(-1)
+        self.prv.fill_(-1)
+        self.num_keys = 0

@@ -1,0 +1,160 @@
+"""Per-request eager store state in slot-indexed tensors.
+
+A registered request gets a *slot*. Per slot and KV group: ``length`` (how many GPU
+ids vLLM's ``StoreRequestState.block_ids`` holds) and ``cursor``
+(``num_stored_blocks``), both int64 ``[slots, groups]``; the ids themselves live in
+``table`` ``[slots, groups, capacity]``. A planning step reads the cursors, lengths and
+candidate ids of every scheduled request with one gather each, and writes the
+advanced cursors with one scatter. Appending the ids a scheduler output brings is
+one scatter for the whole step.
+
+Per slot, in Python: the request object (read for its token counts), the set of its
+store events, the finished flag, and the interned hash ids of its ``block_hashes``
+(synced lazily, append-only as in vLLM). Slots are reused after cleanup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from kvspec.impl.keys import KeyTable
+
+
+class StoreTable:
+    def __init__(self, num_groups: int, keys: KeyTable, device: torch.device) -> None:
+        self.G = num_groups
+        self.keys = keys
+        self.device = device
+        self.slots = 0
+        self.capacity = 16
+        self.cursor = torch.zeros((0, num_groups), dtype=torch.int64, device=device)
+        self.length = torch.zeros((0, num_groups), dtype=torch.int64, device=device)
+        self.table = torch.zeros((0, num_groups, self.capacity), dtype=torch.int64, device=device)
+        self.slot_of: dict[str, int] = {}
+        self.rid: list[str | None] = []
+        self.request: list[Any] = []
+        self.events: list[set[int]] = []
+        self.finished: list[bool] = []
+        self.hids: list[list[int]] = []
+        self._free_slots: list[int] = []
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self.slot_of
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    # -- membership ------------------------------------------------------------------------
+
+    def add(self, rid: str, request: Any) -> int:
+        if self._free_slots:
+            s = self._free_slots.pop()
+        else:
+            s = self.slots
+            self.slots += 1
+            if s >= self.cursor.shape[0]:
+                self._grow_rows(max(16, 2 * self.cursor.shape[0]))
+            self.rid.append(None)
+            self.request.append(None)
+            self.events.append(set())
+            self.finished.append(False)
+            self.hids.append([])
+        self.slot_of[rid] = s
+        self.rid[s] = rid
+        self.request[s] = request
+        self.events[s] = set()
+        self.finished[s] = False
+        self.hids[s] = []
+        self.cursor[s] = 0
+        self.length[s] = 0
+        return s
+
+    def remove(self, rid: str) -> int:
+        s = self.slot_of.pop(rid)
+        self.rid[s] = None
+        self.request[s] = None
+        self.events[s] = set()
+        self.hids[s] = []
+        self._free_slots.append(s)
+        return s
+
+    def clear(self) -> None:
+        for rid in list(self.slot_of):
+            self.remove(rid)
+
+    def _grow_rows(self, rows: int) -> None:
+        pad = rows - self.cursor.shape[0]
+        self.cursor = torch.cat([self.cursor, self.cursor.new_zeros((pad, self.G))])
+        self.length = torch.cat([self.length, self.length.new_zeros((pad, self.G))])
+        self.table = torch.cat([self.table, self.table.new_zeros((pad, self.G, self.capacity))])
+
+    def _grow_columns(self, need: int) -> None:
+        cap = max(need, 2 * self.capacity)
+        wider = self.table.new_zeros((self.table.shape[0], self.G, cap))
+        wider[:, :, : self.capacity] = self.table
+        self.table, self.capacity = wider, cap
+
+    # -- ids -----------------------------------------------------------------------------------
+
+    def reset_rows(self, slots: Sequence[int], cursors_too: bool) -> None:
+        if not slots:
+            return
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        self.length[idx] = 0
+        if cursors_too:
+            self.cursor[idx] = 0
+
+    def append(self, seg_slot: list[int], seg_group: list[int], seg_len: list[int], flat: list[int]) -> None:
+        """Append ``flat`` (concatenated runs) to ``(seg_slot[i], seg_group[i])``; pairs distinct."""
+        if not seg_slot:
+            return
+        dev = self.device
+        s = torch.tensor(seg_slot, dtype=torch.int64, device=dev)
+        g = torch.tensor(seg_group, dtype=torch.int64, device=dev)
+        n = torch.tensor(seg_len, dtype=torch.int64, device=dev)
+        base = self.length[s, g]
+        new_len = base + n
+        top = int(new_len.max())
+        if top > self.capacity:
+            self._grow_columns(top)
+        total = len(flat)
+        rows = torch.repeat_interleave(s, n, output_size=total)
+        cols = torch.repeat_interleave(g, n, output_size=total)
+        start = torch.cumsum(n, 0) - n
+        offs = torch.arange(total, device=dev) - torch.repeat_interleave(start - base, n, output_size=total)
+        self.table[rows, cols, offs] = torch.tensor(flat, dtype=torch.int64, device=dev)
+        self.length[s, g] = new_len
+
+    def ids(self, slot: int, g: int) -> list[int]:
+        return self.table[slot, g, : int(self.length[slot, g])].tolist()
+
+    def sync_hids(self, slot: int) -> list[int]:
+        """The hash ids of the slot's request's ``block_hashes`` (interning new ones)."""
+        have = self.hids[slot]
+        hashes = self.request[slot].block_hashes
+        if len(hashes) > len(have):
+            have.extend(self.keys.hash_ids(hashes[len(have):]))
+        return have
+
+    # -- observation ----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        out = {}
+        if not self.slot_of:
+            return out
+        cursors = self.cursor.tolist()
+        lengths = self.length.tolist()
+        for rid in sorted(self.slot_of):
+            s = self.slot_of[rid]
+            out[rid] = {
+                "block_ids": [self.table[s, g, : lengths[s][g]].tolist() for g in range(self.G)],
+                "num_stored_blocks": cursors[s],
+                "store_events": sorted(self.events[s]),
+                "finished": self.finished[s],
+            }
+        return out
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.cursor, self.length, self.table))
