@@ -34,17 +34,21 @@ T2_OPS: list[dict[str, Any]] = [  # docs §8 T2: R's first two blocks are evicte
     {"op": "report", "event": 1},
 ]
 
-T1_OPS: list[dict[str, Any]] = [  # §8 T1: store, complete, a second request loads the hit
+T1_OPS: list[dict[str, Any]] = [  # §8 T1 on a 3-block GPU: R is stored, its GPU copy evicted, R2 loads it
     {"op": "add", "rid": "R", "family": 1, "prompt_len": 33, "max_tokens": 1},
-    {"op": "step", "admit": ["R"], "chunk": 64},
-    {"op": "step", "chunk": 64},
-    {"op": "report", "event": 0},
+    {"op": "step", "admit": ["R"]}, {"op": "step"}, {"op": "report", "event": 0},
+    {"op": "finish", "rid": "R"},
+    {"op": "add", "rid": "Q", "family": 2, "prompt_len": 33, "max_tokens": 1},
+    {"op": "step", "admit": ["Q"]}, {"op": "finish", "rid": "Q"}, {"op": "step"}, {"op": "report", "event": 1},
     {"op": "add", "rid": "R2", "family": 1, "prompt_len": 33, "max_tokens": 1},
-    {"op": "step", "admit": ["R2"], "chunk": 64},
+    {"op": "step", "admit": ["R2"]},
 ]
+T1_CONFIG = {"num_gpu_blocks": 4}
 
 
 def run_engine(policy: str, ops: list[dict[str, Any]], **cfg: Any) -> Engine:
+    if ops is T1_OPS or (ops and ops[: len(T1_OPS)] == T1_OPS):
+        cfg = {**T1_CONFIG, **cfg}
     eng = Engine(make_scheduler(OffloadConfig(policy=policy, **cfg)))
     for op in ops:
         eng.apply(op)
@@ -70,6 +74,8 @@ def test_schema_uses_only_keywords_the_validator_implements() -> None:
 @pytest.mark.parametrize("ops", [T1_OPS, T2_OPS], ids=["T1", "T2"])
 def test_real_snapshots_follow_the_schema(policy: str, ops: list[dict[str, Any]]) -> None:
     eng = run_engine(policy, ops)
+    if ops is T1_OPS:  # R2's CPU hit is registered and shipped as a load
+        assert eng.snapshot()["scheduler"]["reqs_to_load"]["R2"]["load_event"] == 0
     for snap in (eng.snapshot(), eng.target.snapshot()):
         assert snapshot_issues(json.loads(json.dumps(snap))) == []
 
@@ -92,6 +98,8 @@ def test_reset_snapshot_follows_the_schema() -> None:
     eng = run_engine("repair", [*T1_OPS, {"op": "reset"}])
     snap = json.loads(json.dumps(eng.snapshot()))
     assert snap["engine"]["last_op"] == "reset"
+    assert snap["scheduler"]["abandoned_reqs_to_load"]  # R2's shipped load outlives the reset
+    assert snap["engine"]["last_result"] == [False, False]  # GPU blocks in use; a load abandoned
     assert snapshot_issues(snap) == []
 
 
@@ -293,3 +301,37 @@ def test_subprocess_run(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stderr
     doc = json.loads(proc.stdout)
     assert not doc["ok"] and doc["violations"][0]["id"] == "C1"
+
+
+@pytest.mark.parametrize(
+    ("policy", "extra"),
+    [("baseline", {}), ("signal-rescan", {}), ("repair", {}), ("baseline", {"lazy_offload": True}),
+     ("repair", {"groups": (KVGroup(), KVGroup("sliding", 32))}),
+     ("signal-rescan", {"groups": (KVGroup(), KVGroup("sliding", 32))})],
+    ids=["baseline", "signal-rescan", "repair", "lazy", "repair-swa", "rescan-swa"],
+)
+def test_every_snapshot_of_random_runs_follows_the_schema(policy: str, extra: dict[str, Any]) -> None:
+    """Pins, loads, preemptions, resets, abandoned transfers: whatever the engine model reaches,
+    its snapshot (and the target's own) is accepted, so the format covers all of the model."""
+    import random
+
+    from kvspec.errors import KVSpecError
+    from kvspec.opgen import next_op, random_config_kwargs
+
+    sections: set[str] = set()
+    for seed in range(4):
+        rng = random.Random(seed)
+        cfg = OffloadConfig(policy=policy, **{**random_config_kwargs(rng), **extra})
+        eng = Engine(make_scheduler(cfg))
+        for _ in range(80):
+            try:
+                eng.apply(next_op(eng, rng))
+            except KVSpecError:
+                continue
+            snap = json.loads(json.dumps(eng.snapshot()))
+            issues = snapshot_issues(snap)
+            assert issues == [], (seed, issues[:3])
+            sched = snap["scheduler"]
+            sections |= {k for k in ("pending_cpu_hits", "reqs_to_load", "store_events", "reqs_to_store",
+                                     "abandoned_store_events", "pending_finished_stores") if sched[k]}
+    assert {"store_events"} <= sections  # the runs did exercise the bookkeeping
