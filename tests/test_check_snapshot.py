@@ -335,3 +335,16 @@ def test_every_snapshot_of_random_runs_follows_the_schema(policy: str, extra: di
             sections |= {k for k in ("pending_cpu_hits", "reqs_to_load", "store_events", "reqs_to_store",
                                      "abandoned_store_events", "pending_finished_stores") if sched[k]}
     assert {"store_events"} <= sections  # the runs did exercise the bookkeeping
+
+
+def test_dump_round_trip_and_refusal(tmp_path: Path) -> None:
+    from kvspec.snapshot_io import dump_snapshot
+
+    snap = json.loads(json.dumps(run_engine("repair", T1_OPS).snapshot()))
+    path = tmp_path / "s.json"
+    dump_snapshot(snap, path)
+    assert load_snapshot(path) == snap
+    snap["cpu_pool"]["ref_cnt"] = "many"
+    with pytest.raises(SnapshotFormatError, match=r"^cpu_pool\.ref_cnt: expected a list of integers"):
+        dump_snapshot(snap, tmp_path / "bad.json")
+    assert not (tmp_path / "bad.json").exists()
