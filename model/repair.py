@@ -20,8 +20,9 @@ Rules, each stated once:
   (in flight or cached again) or the request no longer owns it; finishing,
   preemption and reset drop the request's records.
 * **R2 Cost.** Planning visits the new positions ``[cursor, ready)`` of scheduled
-  requests and the pending lost records, never ``[0, cursor)``. Every eviction
-  costs O(owners of the key).
+  requests, the pending lost records and the victims R7 looks at, never
+  ``[0, cursor)`` and never the whole CPU pool. Every eviction costs O(owners of the
+  key); retiring a key (R7) costs O(1), once per owned position.
 * **R3 Soundness.** Only owned, confirmed (below ``ready``), hashed positions are
   stored, under the key the request has for them.
 * **R4 Dedup by key.** A key already cached on CPU or being stored (by any
@@ -31,12 +32,22 @@ Rules, each stated once:
   step's own allocations cannot evict it. The release is an LRU refresh.
 * **R6 New work first (H8).** The positional scan allocates first; re-stores use
   only the space left in the step.
-* **R7 No thrash (H6).** A re-store takes its CPU block from the LRU head but never
-  evicts a live entry unless that entry is useless; live, useful entries met at the
-  head are refreshed (moved to the MRU end) and the walk goes on. Hence a
-  re-store never lowers any request's reachable CPU prefix, and the reachable
-  prefix grows with every re-store: no cycle. Re-stores per step are bounded by
-  the distinct lost keys (C3).
+* **R7 No thrash (H6), bounded search (H7).** A re-store's CPU block is an
+  *acceptable victim*: a free block that is unhashed, not live, or useless; never a
+  live, useful entry. For n re-stores, victims are taken in this order: (a) the
+  unhashed or not-live entries at the LRU head, up to the first live one; (b)
+  *retired* entries, oldest first: keys whose owner finished or was preempted, or
+  whose position left a sliding window (a retired key that is owned again, or whose
+  block is pinned, is skipped; an evicted key leaves the list); (c) a walk from the
+  head that refreshes (moves to the MRU end) the live, useful entries it meets, at
+  most ``2n + 8`` entries per batch, taking acceptable ones (useless ones included:
+  their parent is lost, so no lookup reaches them; taken last because the parent may
+  come back). A victim
+  not at the head is taken by ``touch`` + ``evict_blocks`` (both exist on vLLM's
+  ``BlockPool``), which leaves it exactly as an allocation would. Hence a re-store
+  never lowers any request's reachable CPU prefix, and the reachable prefix grows
+  with every re-store: no cycle. Re-stores per step are bounded by the distinct
+  lost keys (C3), and victim search costs O(n + retired keys skipped).
 * **R8 Resume (H3).** A record that finds no space or no acceptable victim stays
   pending and is retried at every later planning step, scheduled or not (H1).
 * **R9 Finish (H1, H2).** The finish flush stores ``[cursor, ready)`` of the live
@@ -47,7 +58,7 @@ Rules, each stated once:
 
 from __future__ import annotations
 
-from itertools import islice
+from collections import OrderedDict
 from typing import Any
 
 from kvspec.model.block_pool import NULL_BLOCK, BlockPool
@@ -90,6 +101,9 @@ class RepairScheduler(OffloadScheduler):
         self._judged_cached: set[BlockKey] = set()
         self.self_evictions = 0
         self.useful_evicted_by_restores = 0
+        self.owned_keys: dict[str, list[BlockKey]] = {}  # per request, keys it was indexed under
+        self.window_floor: dict[tuple[str, int], int] = {}  # sliding groups: positions retired so far
+        self.retired: OrderedDict[BlockKey, None] = OrderedDict()  # R7 (b), oldest first
 
     # -- R1: records -------------------------------------------------------------------------
 
@@ -128,6 +142,9 @@ class RepairScheduler(OffloadScheduler):
 
     def _on_cpu_evictions(self, evicted: list[tuple[int, BlockKey]]) -> None:
         self.self_evictions += sum(1 for _, key in evicted if key in self._judged_cached)
+        for _, key in evicted:
+            if self.cpu_pool.get_one_block(key) is None:
+                self.retired.pop(key, None)
         self._record_losses(evicted)
 
     def _record_losses(self, evicted: list[tuple[int, BlockKey]]) -> None:
@@ -139,8 +156,29 @@ class RepairScheduler(OffloadScheduler):
                 self.lost.setdefault(pos, key)
 
     def _drop_request(self, rid: str) -> None:
+        """The request owns nothing any more: drop its records, retire its keys (R7 b)."""
         for pos in [p for p in self.lost if p[0] == rid]:
             del self.lost[pos]
+        for key in self.owned_keys.pop(rid, []):
+            self._retire(key)
+        for rg in [rg for rg in self.window_floor if rg[0] == rid]:
+            del self.window_floor[rg]
+
+    def _retire(self, key: BlockKey) -> None:
+        if self.cpu_pool.get_one_block(key) is not None:
+            self.retired[key] = None
+
+    def _retire_out_of_window(self, st: StoreState, g: int) -> None:
+        """Sliding group: keys at positions that left the window since the last call retire."""
+        spec = self.config.groups[g]
+        if spec.kind != "sliding":
+            return
+        rid = st.request.request_id
+        floor = max(0, st.request.num_computed_tokens - spec.sliding_window + 1) // self.block_size
+        floor = min(floor, st.num_stored_blocks[g], len(st.request.block_hashes))
+        for p in range(self.window_floor.get((rid, g), 0), floor):
+            self._retire((st.request.block_hashes[p], g))
+        self.window_floor[(rid, g)] = max(floor, self.window_floor.get((rid, g), 0))
 
     # -- scan: R3, R4, R5 ----------------------------------------------------------------------
 
@@ -161,6 +199,7 @@ class RepairScheduler(OffloadScheduler):
         advance = [0] * self.num_groups
         rid = st.request.request_id
         for g, ids in enumerate(ids_by_group):
+            self._retire_out_of_window(st, g)
             for p in range(st.num_stored_blocks[g], self._ready_blocks(st, ids)):
                 self.visits_last_plan += 1
                 b = self._owned_block(st, ids, g, p)
@@ -176,7 +215,10 @@ class RepairScheduler(OffloadScheduler):
                 if b is None or kind == NOT_HASHED:
                     continue
                 key = self.gpu_pool.block_hash[b]
-                self.owners.setdefault(key, {})[(rid, g, p)] = None
+                owners = self.owners.setdefault(key, {})
+                if (rid, g, p) not in owners:
+                    owners[(rid, g, p)] = None
+                    self.owned_keys.setdefault(rid, []).append(key)
                 if kind == ALREADY_CACHED:
                     self._judged_cached.add(key)
                     self._protect_cached(self.cpu_pool.get_one_block(key))
@@ -237,45 +279,77 @@ class RepairScheduler(OffloadScheduler):
                 out.append((pos, b, key))
         return out
 
-    def _acceptable_victim(self, cb: int) -> bool:
-        """R7: a free CPU block may be taken iff it is unhashed, not live, or useless."""
+    def _acceptable_victim(self, cb: int, useless_ok: bool = True) -> bool:
+        """R7: a free CPU block may be taken iff it is unhashed, not live, or (when
+        ``useless_ok``) useless."""
         key = self.cpu_pool.block_hash[cb]
         if key is None or not self._is_live(key):
             return True
+        if not useless_ok:
+            return False
         rid, g, p = next(iter(self.owners[key]))  # every owner has the same prefix, so the same parent
         if p == 0:
             return False
         return not self._covered((self.reqs_to_store[rid].request.block_hashes[p - 1], g))
 
-    def _choose_victims(self, n: int) -> int:
-        """R7: walk the free queue from the head; refresh live useful entries (pinned until the
-        step ends) until ``n`` acceptable victims lead the queue. Returns how many do."""
-        found = 0
-        for cb in list(self.cpu_pool.free_queue):
-            if found >= n:
+    def _choose_victims(self, n: int) -> list[int]:
+        """R7: up to ``n`` acceptable victims, from (a) the head, (b) retired keys, (c) a
+        bounded refreshing walk. Refreshed entries stay pinned until the step ends."""
+        victims: list[int] = []
+        for cb in self.cpu_pool.free_queue:  # (a)
+            if len(victims) >= n:
+                return victims
+            self.visits_last_plan += 1
+            if not self._acceptable_victim(cb, useless_ok=False):
                 break
+            victims.append(cb)
+        chosen = set(victims)
+        deferred: list[BlockKey] = []
+        while len(victims) < n and self.retired:  # (b)
+            key, _ = self.retired.popitem(last=False)
+            self.visits_last_plan += 1
+            cb = self.cpu_pool.get_one_block(key)
+            if cb is None or cb in chosen or self._is_live(key):
+                continue
+            if self.cpu_pool.ref_cnt[cb] > 0:
+                deferred.append(key)
+                continue
+            victims.append(cb)
+            chosen.add(cb)
+        for key in deferred:
+            self.retired[key] = None
+        budget = 2 * n + 8
+        while len(victims) < n and budget > 0:  # (c)
+            cb = next((b for b in self.cpu_pool.free_queue if b not in chosen), None)
+            if cb is None:
+                break
+            budget -= 1
             self.visits_last_plan += 1
             if self._acceptable_victim(cb):
-                found += 1
+                victims.append(cb)
+                chosen.add(cb)
             else:
                 self.cpu_pool.touch([cb])
                 self._held.append(cb)
-        return found
+        return victims
 
     def _restore(self, wanted: list[tuple[Position, int, BlockKey]]) -> list[tuple[str, int, int]]:
-        """Allocate CPU blocks for ``wanted`` under R7; pin and mark them in flight.
-        O(len(wanted) + live entries refreshed)."""
-        found = self._choose_victims(len(wanted))
-        if found == 0:
+        """Take R7 victims for ``wanted``; pin and mark them in flight.
+        O(len(wanted) + retired keys skipped + the bounded walk)."""
+        if not wanted:
             return []
-        victims = list(islice(self.cpu_pool.free_queue, found))
+        victims = self._choose_victims(len(wanted))
+        if not victims:
+            return []
         self.useful_evicted_by_restores += sum(1 for cb in victims if not self._acceptable_victim(cb))
-        taken = wanted[:found]
-        cpu_ids = self._cpu_alloc(found)
+        taken = wanted[: len(victims)]
+        self.cpu_pool.touch(victims)
+        self.cpu_pool.evict_blocks(victims)
+        self._on_cpu_evictions(self.cpu_pool.take_evicted())
         for pos, _, _ in taken:
             self.lost.pop(pos, None)
         self._mark_in_flight([gid for _, gid, _ in taken])
-        return [(pos[0], gid, cid) for (pos, gid, _), cid in zip(taken, cpu_ids, strict=True)]
+        return [(pos[0], gid, cid) for (pos, gid, _), cid in zip(taken, victims, strict=True)]
 
     def _mark_in_flight(self, gpu_ids: list[int]) -> None:
         self.in_flight_store_gpu_blocks |= set(gpu_ids)
@@ -339,6 +413,9 @@ class RepairScheduler(OffloadScheduler):
         self.owners.clear()
         self.lost.clear()
         self.in_flight_keys.clear()
+        self.owned_keys.clear()
+        self.window_floor.clear()
+        self.retired.clear()
 
     # -- observation ----------------------------------------------------------------------------
 
