@@ -43,7 +43,9 @@ def test_fresh_venv_imports_kvspec_model_not_model(tmp_path: Path) -> None:
     installed = _run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)], tmp_path)
     assert installed.returncode == 0, installed.stdout + installed.stderr
 
-    ok = _run([str(py), "-c", "import kvspec.model, kvspec.model.engine, kvspec.impl, kvspec.specs; "
+    # kvspec.impl and kvspec.specs need torch and z3, which the base interpreter may lack:
+    # they are checked as installed files below, kvspec.model by importing it
+    ok = _run([str(py), "-c", "import kvspec.model, kvspec.model.engine, kvspec.interfaces; "
                "print(kvspec.model.__file__)"], elsewhere)
     assert ok.returncode == 0, ok.stderr
     where = Path(ok.stdout.strip())
@@ -56,5 +58,7 @@ def test_fresh_venv_imports_kvspec_model_not_model(tmp_path: Path) -> None:
         assert f"ModuleNotFoundError: No module named '{top}'" in bad.stderr
 
     (site,) = (venv / "lib").glob("python3*/site-packages")
+    for sub in ("model", "impl", "specs"):
+        assert (site / "kvspec" / sub / "__init__.py").is_file()
     tops = {p.name for p in site.iterdir() if p.name != "__pycache__"}
     assert tops == {"kvspec", wheel.name.split("-py")[0] + ".dist-info"}
