@@ -351,10 +351,10 @@ class Engine:
 
     def _schedule_running(self, r: EngineRequest, chunk: int, out: SchedulerOutput,
                           scheduled: dict[str, int]) -> None:
+        self._remove_skipped_blocks(r)  # also for a request that has stopped generating but is not finished
         n = min(chunk, r.num_tokens - r.num_computed_tokens)
         if n <= 0:
             return
-        self._remove_skipped_blocks(r)
         new = self._grow(r, r.num_computed_tokens + n)
         if new is None:
             return
