@@ -20,6 +20,10 @@ drive the model:
   so a bad call raises the same ``KVSpecError`` subclass and changes nothing.
 * **snapshot()** reads vLLM's objects back into the model's canonical format.
 
+``fuzz_with_invariants`` searches real vLLM with random engine traces and nothing
+but the invariant catalogue as oracle (what an engine author without kvspec's
+model would have); it finds the stale-cursor FIXME as a C1 violation by itself.
+
 vLLM is imported only inside ``make_vllm_target``: kvspec imports without it, and a
 missing vLLM is a ``ConfigError`` that says how to get it. Only the ``baseline``
 policy exists in vLLM 0.33.0.
@@ -28,9 +32,11 @@ policy exists in vLLM 0.33.0.
 from __future__ import annotations
 
 import logging
+import random
+import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -40,6 +46,7 @@ from kvspec.errors import (
     InvalidBlockError,
     InvalidCountError,
     InvalidOperationError,
+    KVSpecError,
     OutOfBlocksError,
     UnknownEventError,
     UnknownRequestError,
@@ -615,3 +622,75 @@ def make_vllm_target(config: OffloadConfig) -> VllmTarget:
             f"vLLM {VLLM_VERSION} implements only the 'baseline' policy, not {config.policy!r}"
         )
     return VllmTarget(config, _import_vllm())
+
+
+# -- fuzzing vLLM with the invariant catalogue alone -------------------------------------------
+
+
+@dataclass
+class InvariantFuzzResult:
+    """What ``fuzz_with_invariants`` found: the first violation, where, and after how much."""
+
+    found: bool
+    seconds: float
+    traces: int
+    ops: int
+    violation: Any = None
+    trace_ops: list[dict[str, Any]] = field(default_factory=list)
+    shrunk_ops: list[dict[str, Any]] = field(default_factory=list)
+    shrunk_violation: Any = None
+    error: str | None = None
+
+
+def baseline_oracle(config: OffloadConfig) -> tuple[str, ...]:
+    """The invariants vLLM 0.33.0 (the ``baseline`` policy) claims, plus completeness C1."""
+    from kvspec.model.scheduler import OffloadScheduler
+
+    return (*OffloadScheduler.claims(config), "C1")
+
+
+def fuzz_with_invariants(config: OffloadConfig, *, seed: int = 0, max_traces: int = 50, ops_per_trace: int = 200,
+                         oracle: Sequence[str] | None = None, shrink: bool = True,
+                         factory: Callable[[OffloadConfig], Any] | None = None) -> InvariantFuzzResult:
+    """Random engine traces on real vLLM, ``model.invariants.check`` after every operation.
+
+    Operations are drawn from the vLLM engine's own state (``kvspec.tracegen``'s
+    generator); no model runs. The search stops at the first violation of ``oracle``
+    (default: ``baseline_oracle(config)``) or of the engine's own rules, and shrinks the
+    trace by delta debugging with the same oracle, on vLLM again. Deterministic in
+    ``seed``; ``factory`` defaults to ``make_vllm_target``.
+    """
+    from kvspec.harness import Outcome
+    from kvspec.harness import shrink as shrink_ops
+    from kvspec.model.engine import Engine
+    from kvspec.model.invariants import check
+    from kvspec.tracegen import _Generator
+
+    make = factory or make_vllm_target
+    ids = tuple(oracle) if oracle is not None else baseline_oracle(config)
+    rng = random.Random(seed)
+    start = time.monotonic()
+    total = 0
+    for n_trace in range(1, max_traces + 1):
+        engine = Engine(make(config))
+        gen = _Generator(config, rng, rng.choice([1, 2, 3]))
+        ops: list[dict[str, Any]] = []
+        for _ in range(ops_per_trace):
+            op = gen.valid(engine)
+            ops.append(op)
+            total += 1
+            try:
+                engine.apply(op)
+            except KVSpecError as exc:
+                return InvariantFuzzResult(False, time.monotonic() - start, n_trace, total, trace_ops=ops,
+                                           error=f"operation {len(ops) - 1} {op} rejected: {exc}")
+            found = check(engine.snapshot(), ids)
+            if not found:
+                continue
+            result = InvariantFuzzResult(True, time.monotonic() - start, n_trace, total, found[0], ops)
+            if shrink:
+                finding = Outcome(len(ops), violation=found[0], op_index=len(ops) - 1)
+                small, out = shrink_ops(config, ops, make, ids, finding, time.monotonic() + 60.0)
+                result.shrunk_ops, result.shrunk_violation = small, out.violation
+            return result
+    return InvariantFuzzResult(False, time.monotonic() - start, max_traces, total)

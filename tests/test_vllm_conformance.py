@@ -10,7 +10,8 @@ error class and change nothing. A failing trace is written in the trace format
 
 Tests that need vLLM carry the ``vllm`` marker and are skipped, with the reason, where
 vLLM 0.33.0 cannot be imported; run them with ``scripts/ci-vllm-stage.sh``.
-``KVSPEC_VLLM_TRACES`` scales the number of traces per configuration (default 12).
+``KVSPEC_VLLM_TRACES`` scales the number of traces per configuration (default 12);
+``KVSPEC_REQUIRE_VLLM=1`` (set by the CI stage) makes a missing vLLM an error.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from kvspec.tracegen import random_ops
 from kvspec.vllm_adapter import vllm_available
 
 VLLM_OK, VLLM_WHY = vllm_available()
+if os.environ.get("KVSPEC_REQUIRE_VLLM") == "1" and not VLLM_OK:
+    raise RuntimeError(f"KVSPEC_REQUIRE_VLLM=1 but {VLLM_WHY}")
 
 TRACES = int(os.environ.get("KVSPEC_VLLM_TRACES", "12"))
 OPS_PER_TRACE = 300
@@ -315,6 +318,46 @@ def test_vllm_snapshots_follow_the_snapshot_schema() -> None:
         _apply(engine, op)
         issues = snapshot_issues(engine.snapshot())
         assert not issues, issues[:3]
+
+
+@pytest.mark.parametrize("name", ["full-ws1", "full-ws2", "full+sliding-ws1"])
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
+def test_invariants_alone_find_the_stale_cursor_fixme_in_vllm(name: str) -> None:
+    """No model as oracle: random traces on vLLM and the catalogue find C1 (the FIXME) by
+    themselves, and the shrunk trace still shows it on vLLM."""
+    from kvspec.harness import run_ops
+    from kvspec.vllm_adapter import baseline_oracle, fuzz_with_invariants
+
+    config = CONFIGS[name]
+    for seed in range(3):
+        res = fuzz_with_invariants(config, seed=seed, max_traces=20)
+        assert res.error is None, res.error
+        assert res.found, f"seed {seed}: no violation in {res.ops} operations"
+        assert res.violation.id == "C1", str(res.violation)
+        assert res.shrunk_violation is not None and res.shrunk_violation.id == "C1"
+        assert len(res.shrunk_ops) <= len(res.trace_ops)
+        replayed = run_ops(config, res.shrunk_ops, _vllm_factory, baseline_oracle(config))
+        assert replayed.violation is not None and replayed.violation.id == "C1", replayed.describe()
+        print(f"\n[vllm fixme] {name} seed {seed}: {res.violation} after {res.ops} operations "
+              f"({res.traces} trace(s)); shrunk to {len(res.shrunk_ops)} operations")
+
+
+@pytest.mark.parametrize("name", ["full-ws1", "full+sliding-ws1", "lazy-full-ws1"])
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
+def test_vllm_keeps_what_the_baseline_claims(name: str) -> None:
+    """Every invariant the baseline policy claims holds on vLLM along random traces."""
+    from kvspec.model.scheduler import OffloadScheduler
+
+    from kvspec.vllm_adapter import fuzz_with_invariants
+
+    config = CONFIGS[name]
+    res = fuzz_with_invariants(config, seed=11, max_traces=8, ops_per_trace=300,
+                               oracle=OffloadScheduler.claims(config), shrink=False)
+    assert res.error is None, res.error
+    assert not res.found, f"{res.violation} at operation {len(res.trace_ops) - 1}: {res.trace_ops}"
+    assert res.ops == 8 * 300
 
 
 def test_without_vllm_the_target_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
