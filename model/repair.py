@@ -37,16 +37,17 @@ Rules, each stated once:
   live, useful entry. For n re-stores, victims are taken in this order: (a) the
   unhashed or not-live entries at the LRU head, up to the first live one; (b)
   *retired* entries, oldest first: keys whose owner finished or was preempted, or
-  whose position left a sliding window (a retired key that is owned again, or whose
-  block is pinned, is skipped; an evicted key leaves the list); (c) a walk from the
-  head that refreshes (moves to the MRU end) the live, useful entries it meets, at
-  most ``2n + 8`` entries per batch, taking acceptable ones (useless ones included:
-  their parent is lost, so no lookup reaches them; taken last because the parent may
-  come back). A victim
-  not at the head is taken by ``touch`` + ``evict_blocks`` (both exist on vLLM's
-  ``BlockPool``), which leaves it exactly as an allocation would. Hence a re-store
-  never lowers any request's reachable CPU prefix, and the reachable prefix grows
-  with every re-store: no cycle. Re-stores per step are bounded by the distinct
+  whose position left a sliding window (a retired key that is owned again is
+  dropped; one whose block is pinned or whose store is still in flight waits; an
+  evicted key leaves the list); (c) a walk from the head, at most ``2n + 8``
+  entries per batch, that refreshes (moves to the MRU end) the live, useful entries
+  it meets and takes not-live ones, then, if still short, the useless ones it met
+  (their parent is lost, so no lookup reaches them; taken last because the parent
+  may come back). A victim not at the head is taken by ``touch`` +
+  ``evict_blocks`` (both exist on vLLM's ``BlockPool``), which leaves it exactly as
+  an allocation would. Hence a re-store never lowers any request's reachable CPU
+  prefix, and the reachable prefix grows with every re-store: no cycle. Re-stores
+  per step are bounded by the distinct
   lost keys (C3), and victim search costs O(n + retired keys skipped).
 * **R8 Resume (H3).** A record that finds no space or no acceptable victim stays
   pending and is retried at every later planning step, scheduled or not (H1).
@@ -165,7 +166,7 @@ class RepairScheduler(OffloadScheduler):
             del self.window_floor[rg]
 
     def _retire(self, key: BlockKey) -> None:
-        if self.cpu_pool.get_one_block(key) is not None:
+        if self._covered(key):  # cached, or cached when its store completes
             self.retired[key] = None
 
     def _retire_out_of_window(self, st: StoreState, g: int) -> None:
@@ -309,6 +310,9 @@ class RepairScheduler(OffloadScheduler):
             key, _ = self.retired.popitem(last=False)
             self.visits_last_plan += 1
             cb = self.cpu_pool.get_one_block(key)
+            if cb is None and self.in_flight_keys.get(key, 0) > 0:
+                deferred.append(key)  # its store has not completed yet
+                continue
             if cb is None or cb in chosen or self._is_live(key):
                 continue
             if self.cpu_pool.ref_cnt[cb] > 0:
@@ -319,19 +323,22 @@ class RepairScheduler(OffloadScheduler):
         for key in deferred:
             self.retired[key] = None
         budget = 2 * n + 8
+        useless: list[int] = []  # acceptable only because their parent is lost: taken last
         while len(victims) < n and budget > 0:  # (c)
             cb = next((b for b in self.cpu_pool.free_queue if b not in chosen), None)
             if cb is None:
                 break
             budget -= 1
             self.visits_last_plan += 1
-            if self._acceptable_victim(cb):
+            chosen.add(cb)
+            if self._acceptable_victim(cb, useless_ok=False):
                 victims.append(cb)
-                chosen.add(cb)
+            elif self._acceptable_victim(cb):
+                useless.append(cb)
             else:
                 self.cpu_pool.touch([cb])
                 self._held.append(cb)
-        return victims
+        return victims + useless[: n - len(victims)]
 
     def _restore(self, wanted: list[tuple[Position, int, BlockKey]]) -> list[tuple[str, int, int]]:
         """Take R7 victims for ``wanted``; pin and mark them in flight.
