@@ -120,12 +120,20 @@ def _active_store_requests(s: Snapshot) -> Iterable[tuple[str, dict[str, Any], d
 
 def owned_below_cursor(s: Snapshot) -> Iterable[tuple[str, int, int, int, str]]:
     """(rid, group, position, block, key) for every position below a live cursor whose
-    block the request still owns (its live table holds it) and that is hashed."""
+    block the request still owns (its live table holds it) and that is hashed. A
+    sliding-window position that has left the window (below ``(computed - window + 1) //
+    block_size``) is not owned, even before the scheduler's next ``remove_skipped_blocks``
+    frees it: the request never reads it again."""
     gpu_hash = s["gpu_pool"]["block_hash"]
+    groups = s["engine"]["config"]["groups"]
+    bs = _block_size(s)
     for rid, st, r in _active_store_requests(s):
         for g, cursor in enumerate(st["num_stored_blocks"]):
             table = r["table"][g] if g < len(r["table"]) else []
-            for p in range(min(cursor, len(table))):
+            floor = 0
+            if g < len(groups) and groups[g]["kind"] == "sliding":
+                floor = max(0, r["num_computed_tokens"] - groups[g]["sliding_window"] + 1) // bs
+            for p in range(floor, min(cursor, len(table))):
                 b = table[p]
                 if b == 0:
                     continue
