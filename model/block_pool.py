@@ -180,13 +180,14 @@ class BlockPool:
     # -- observation -----------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """Canonical JSON-able picture: ref counts, hashes, queue order, map. O(N)."""
+        """Canonical JSON-able picture: ref counts, hashes, queue order, map (keys sorted; the
+        order of a key's blocks is kept). O(N log N)."""
         return {
             "num_blocks": self.num_blocks,
             "ref_cnt": list(self.ref_cnt),
             "block_hash": [None if k is None else key_str(k) for k in self.block_hash],
             "free_queue": list(self.free_queue),
-            "cached": {key_str(k): ids for k, ids in self.cached.items()},
+            "cached": {key_str(k): ids for k, ids in sorted(self.cached.items())},
         }
 
     def _check(self) -> None:
