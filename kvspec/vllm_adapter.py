@@ -138,12 +138,14 @@ class _FreeQueueView:
 
 
 def _cached_map(pool: Any) -> dict[str, list[int]]:
-    """vLLM's prefix map as ``{"hash:gid": [block ids in insertion order]}``."""
-    out: dict[str, list[int]] = {}
+    """vLLM's prefix map as ``{"hash:gid": [block ids in insertion order]}``, keys sorted by
+    (hash, gid) as in the model (vLLM's own key order moves a key to the end when one of
+    its duplicate blocks is popped; no lookup depends on it)."""
+    rows = []
     for raw, entry in pool.cached_block_hash_to_block._cache.items():
         ids = [entry.block_id] if not isinstance(entry, dict) else [b.block_id for b in entry.values()]
-        out[_key_text(raw)] = ids
-    return out
+        rows.append((key_from_bytes(raw), ids))
+    return {f"{k[0]}:{k[1]}": ids for k, ids in sorted(rows)}
 
 
 def pool_snapshot(pool: Any) -> dict[str, Any]:

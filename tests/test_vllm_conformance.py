@@ -3,8 +3,8 @@
 The same random engine traces (``kvspec.tracegen.random_ops``) run on
 ``Engine(model baseline)`` and ``Engine(VllmTarget)`` side by side. After every
 operation both must agree on the outcome (result, or the ``KVSpecError`` class of a
-rejection) and on the whole snapshot: both pools, the scheduler state and the
-engine's view. Direct calls with bad input must be rejected by both with the same
+rejection) and on the whole snapshot, down to its JSON text: both pools, the
+scheduler state and the engine's view. Direct calls with bad input must be rejected by both with the same
 error class and change nothing. A failing trace is written in the trace format
 (``kvspec replay`` reads it) under ``KVSPEC_VLLM_TRACE_DIR`` (default: pytest's tmp dir).
 
@@ -16,6 +16,7 @@ vLLM 0.33.0 cannot be imported; run them with ``scripts/ci-vllm-stage.sh``.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from collections.abc import Callable
@@ -109,9 +110,12 @@ def run_side_by_side(config: OffloadConfig, ops: list[dict[str, Any]],
             return Divergence(i, op, f"outcome: reference {want_out!r} != target {got_out!r}")
         if op.get("expect") == "error" and want_out[0] != "rejected":
             return Divergence(i, op, "an operation marked invalid was accepted")
-        diff = first_difference(ref.snapshot(), got.snapshot())
+        want_snap, got_snap = ref.snapshot(), got.snapshot()
+        diff = first_difference(want_snap, got_snap)
         if diff is not None:
             return Divergence(i, op, diff)
+        if json.dumps(want_snap) != json.dumps(got_snap):
+            return Divergence(i, op, "snapshots are equal but not in the same canonical order")
         if tally is not None:
             tally.ops += 1
             tally.rejected += want_out[0] == "rejected"
