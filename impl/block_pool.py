@@ -262,7 +262,8 @@ class TensorBlockPool:
             "ref_cnt": self.ref.tolist(),
             "block_hash": self.key_texts(self.key.tolist()),
             "free_queue": self.free.order().tolist(),
-            "cached": {self.keys.key_text(k): chain for k, chain in self.index.items()},
+            "cached": {self.keys.key_text(k): chain
+                       for k, chain in sorted(self.index.items(), key=lambda kc: self.keys.key(kc[0]))},
         }
 
     def memory_bytes(self) -> int:

@@ -138,7 +138,8 @@ class TensorOffloadScheduler:
         return hit_len, True
 
     def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds, num_external_tokens: int) -> None:
-        ids = check_block_ids(block_ids, self.G, self.gpu_pool.num_blocks, "update_state_after_alloc")
+        ids = check_block_ids(block_ids, self.G, self.gpu_pool.num_blocks, "update_state_after_alloc",
+                              none_groups=False)
         rid = request.request_id
         check_count(num_external_tokens, "num_external_tokens", request.num_tokens)
         pending = self.pending_cpu_hits.get(rid)
@@ -232,6 +233,11 @@ class TensorOffloadScheduler:
     def _check_scheduler_output(self, out: SchedulerOutput) -> None:
         n = self.gpu_pool.num_blocks
         G = self.G
+        cr = out.scheduled_cached_reqs
+        if len(cr.req_ids) != len(cr.new_block_ids):
+            raise InvalidOperationError(
+                f"scheduled_cached_reqs lists {len(cr.req_ids)} request id(s) but "
+                f"{len(cr.new_block_ids)} block-id entries")
         for rid, ids, _ in yield_req_data(out):
             if ids is None:
                 continue
@@ -488,7 +494,8 @@ class TensorOffloadScheduler:
     # == finish ======================================================================================
 
     def request_finished_all_groups(self, request: RequestView, block_ids: BlockIds) -> tuple[bool, None]:
-        ids = check_block_ids(block_ids, self.G, self.gpu_pool.num_blocks, "request_finished")
+        ids = check_block_ids(block_ids, self.G, self.gpu_pool.num_blocks, "request_finished",
+                              none_groups=False)
         s = self.stores.slot_of.get(request.request_id)
         if s is not None and not self.lazy_mode:
             self.policy.finish_flush(request, s, [list(g) for g in ids])

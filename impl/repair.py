@@ -1,0 +1,482 @@
+"""The ``repair`` policy on the tensor scheduler: exact records of what the CPU lost.
+
+Same rules as the model's policy (R1-R9 in ``kvspec.model.repair``): positions a
+cursor passed whose block the request owns are indexed by key (``owners``); an
+eviction of a key no longer cached anywhere on the CPU gives every live owner a *lost
+record*; planning re-stores pending records after the new work, taking CPU blocks
+from the LRU head but refreshing (never evicting) live entries whose parent is still
+reachable; keys already cached are pinned for the rest of the step; dedup is by key.
+
+How it is computed here:
+
+* a request's scan gathers, in one round of tensor ops, everything a position's
+  decision needs (its block, the block's key and ref count, the request's own key for
+  the position, the CPU entry of that key and whether it is free); a Python pass over
+  the gathered lists then applies the per-position rules (the CPU free count, which
+  pins lower, and the request's key set change as it goes) and the pins and
+  allocations are applied as batches;
+* requests with nothing in ``[cursor, ready)`` are skipped without any per-request
+  work (one gather for the whole step finds them);
+* the victim walk of a re-store reads the CPU free list in slices and the owner index
+  only for keys that have owners.
+
+Owners, lost records and in-flight key counts are dicts keyed by interned key ids,
+in the model's insertion order (their order decides which record is made first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kvspec.impl.policies import BaselinePolicy
+
+from kvspec.interfaces import RequestView, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvspec.impl.scheduler import StepBatch, TensorOffloadScheduler
+
+Position = tuple[str, int, int]
+
+
+class RepairPolicy(BaselinePolicy):
+    name = "repair"
+
+    def __init__(self, sched: TensorOffloadScheduler) -> None:
+        super().__init__(sched)
+        self.owners: dict[int, dict[Position, None]] = {}
+        self.lost: dict[Position, int] = {}
+        self.in_flight_keys: dict[int, int] = {}
+        self.held: list[int] = []
+        self.restores_last_plan = 0
+        self.lost_keys_at_repair = 0
+        self.judged_cached: set[int] = set()
+        self.self_evictions = 0
+        self.useful_evicted_by_restores = 0
+        self.owned_keys: dict[str, list[int]] = {}
+        self.window_floor: dict[tuple[str, int], int] = {}
+        self.retired: OrderedDict[int, None] = OrderedDict()
+        self.windows = [(g.sliding_window if g.kind == "sliding" else 0) for g in sched.config.groups]
+        self.sliding_groups = [g for g, w in enumerate(self.windows) if w]
+
+    # -- ownership -------------------------------------------------------------------------------
+
+    def _owned(self, slot: int, g: int, p: int, b: int | None) -> int | None:
+        """``b`` (the request's id at (g, p)) if the request owns it there, else None."""
+        s = self.s
+        if b is None:
+            return None
+        req = s.stores.request[slot]
+        if p >= len(req.block_hashes):
+            return None
+        w = self.windows[g]
+        if w and p < max(0, req.num_computed_tokens - w + 1) // s.B:
+            return None
+        if b == 0:
+            return None
+        hids = s.stores.sync_hids(slot)
+        if int(s.gpu_pool.key[b]) != hids[p] * s.G + g or int(s.gpu_pool.ref[b]) < 1:
+            return None
+        return b
+
+    def _table_id(self, slot: int, g: int, p: int) -> int | None:
+        st = self.s.stores
+        if p >= int(st.length[slot, g]):
+            return None
+        return int(st.table[slot, g, p])
+
+    def _is_live(self, kid: int) -> bool:
+        owners = self.owners.get(kid)
+        if not owners:
+            return False
+        st = self.s.stores
+        for pos in list(owners):
+            rid, g, p = pos
+            slot = st.slot_of.get(rid)
+            if (slot is None or st.finished[slot] or p >= int(st.cursor[slot, g])
+                    or self._owned(slot, g, p, self._table_id(slot, g, p)) is None):
+                del owners[pos]
+        if not owners:
+            del self.owners[kid]
+        return bool(owners)
+
+    def _covered(self, kid: int) -> bool:
+        return self.in_flight_keys.get(kid, 0) > 0 or self.s.cpu_pool.index.get_one(kid) >= 0
+
+    def on_evictions(self, blocks: torch.Tensor, kids: torch.Tensor) -> None:
+        kl = kids.tolist()
+        firsts = self.s.cpu_pool.first_of(kids).tolist()
+        judged = self.judged_cached
+        if judged:
+            self.self_evictions += sum(1 for k in kl if k in judged)
+        retired = self.retired
+        for kid, f in zip(kl, firsts, strict=True):
+            if f < 0:
+                retired.pop(kid, None)
+        for kid, f in zip(kl, firsts, strict=True):
+            if f >= 0 or kid not in self.owners or not self._is_live(kid):
+                continue
+            for pos in self.owners[kid]:
+                self.lost.setdefault(pos, kid)
+
+    def _drop_request(self, rid: str) -> None:
+        """The request owns nothing any more: drop its records, retire its keys."""
+        for pos in [p for p in self.lost if p[0] == rid]:
+            del self.lost[pos]
+        for kid in self.owned_keys.pop(rid, []):
+            self._retire(kid)
+        for rg in [rg for rg in self.window_floor if rg[0] == rid]:
+            del self.window_floor[rg]
+
+    def _retire(self, kid: int) -> None:
+        if self._covered(kid):  # cached, or cached when its store completes
+            self.retired[kid] = None
+
+    def _retire_out_of_window(self, rid: str, slot: int, g: int) -> None:
+        w = self.windows[g]
+        if not w:
+            return
+        s = self.s
+        req = s.stores.request[slot]
+        floor = max(0, req.num_computed_tokens - w + 1) // s.B
+        floor = min(floor, int(s.stores.cursor[slot, g]), len(req.block_hashes))
+        start = self.window_floor.get((rid, g), 0)
+        if floor > start:
+            hids = s.stores.sync_hids(slot)
+            for p in range(start, floor):
+                self._retire(hids[p] * s.G + g)
+        self.window_floor[(rid, g)] = max(floor, start)
+
+    # -- the scan ---------------------------------------------------------------------------------
+
+    def _select(self, rid: str, slot: int, live: list[list[int]] | None) -> tuple[list[int], list[int]]:
+        """Scan ``[cursor, ready)`` of every group (accumulated ids, or the live table)."""
+        s = self.s
+        st = s.stores
+        req = st.request[slot]
+        conf = max(0, req.num_computed_tokens - req.num_output_placeholders) // s.B
+        cursors = st.cursor[slot].tolist()
+        if live is None:
+            lengths = st.length[slot].tolist()
+        else:
+            lengths = [len(x) for x in live]
+        for g in self.sliding_groups:
+            self._retire_out_of_window(rid, slot, g)
+        spans = [(g, cursors[g], min(lengths[g], conf)) for g in range(s.G)]
+        spans = [(g, a, r) for g, a, r in spans if a < r]
+        advance = [0] * s.G
+        if not spans:
+            return [], advance
+        if live is None:
+            top = max(r for _, _, r in spans)
+            rows = st.table[slot, :, :top].tolist()
+        else:
+            rows = live
+        cg: list[int] = []
+        cp: list[int] = []
+        cb: list[int] = []
+        for g, a, r in spans:
+            cg.extend([g] * (r - a))
+            cp.extend(range(a, r))
+            cb.extend(rows[g][a:r])
+        hids = st.sync_hids(slot)
+        nh = len(hids)
+        G = s.G
+        want = [hids[p] * G + g if p < nh else -2 for g, p in zip(cg, cp, strict=True)]
+        for i, (g, p) in enumerate(zip(cg, cp, strict=True)):
+            w = self.windows[g]
+            if w and p < max(0, req.num_computed_tokens - w + 1) // s.B:
+                want[i] = -2
+        bt = torch.tensor(cb, dtype=torch.int64, device=s.device)
+        gkey = s.gpu_pool.key[bt]
+        owned = (bt != 0) & (gkey == torch.tensor(want, dtype=torch.int64, device=s.device)) & (s.gpu_pool.ref[bt] >= 1)
+        okey = torch.where(owned, gkey, -1)
+        cblock = s.cpu_pool.first_of(okey)
+        cfree = (cblock >= 0) & (s.cpu_pool.ref[cblock.clamp(min=0)] == 0)
+        owned_l, okey_l, cblock_l, cfree_l = owned.tolist(), okey.tolist(), cblock.tolist(), cfree.tolist()
+
+        free_now = s.cpu_pool.free.count
+        selected: list[int] = []
+        keys: set[int] = set()
+        pins: list[int] = []
+        pinned_free: set[int] = set()
+        ifk = self.in_flight_keys
+        owners = self.owners
+        owned_keys = self.owned_keys.setdefault(rid, [])
+        i = 0
+        n = len(cg)
+        while i < n:
+            g = cg[i]
+            while i < n and cg[i] == g:
+                if not owned_l[i]:
+                    advance[g] += 1
+                    i += 1
+                    continue
+                kid = okey_l[i]
+                if ifk.get(kid, 0) > 0 or kid in keys:
+                    kind = 1  # in flight
+                elif cblock_l[i] >= 0:
+                    kind = 2  # already cached
+                    c = cblock_l[i]
+                    if cfree_l[i] and c not in pinned_free and free_now - 1 < len(selected):
+                        break  # pinning it would starve this step's selection
+                else:
+                    kind = 3  # ready
+                    if len(selected) >= free_now:
+                        break
+                advance[g] += 1
+                pos = (rid, g, cp[i])
+                own = owners.setdefault(kid, {})
+                if pos not in own:
+                    own[pos] = None
+                    owned_keys.append(kid)
+                if kind == 2:
+                    self.judged_cached.add(kid)
+                    pins.append(c)
+                    if cfree_l[i] and c not in pinned_free:
+                        pinned_free.add(c)
+                        free_now -= 1
+                elif kind == 3:
+                    selected.append(cb[i])
+                    keys.add(kid)
+                i += 1
+            while i < n and cg[i] == g:  # rest of a group the scan left
+                i += 1
+        if pins:
+            s.cpu_pool.touch_t(torch.tensor(pins, dtype=torch.int64, device=s.device))
+            self.held.extend(pins)
+        return selected, advance
+
+    # -- planning --------------------------------------------------------------------------------
+
+    def plan_eager(self, out: SchedulerOutput, batch: StepBatch) -> None:
+        s = self.s
+        segs = s.eager_segments(out)
+        self.restores_last_plan = 0
+        for rid in out.preempted_req_ids:
+            self._drop_request(rid)
+        for seg in segs:
+            scan = s.apply_segment(seg, out)
+            if not scan:
+                continue
+            slots = [sl for _, sl in scan]
+            idx = torch.tensor(slots, dtype=torch.int64, device=s.device)
+            ready = s._ready(slots, s.stores.length[idx])
+            busy = ((ready - s.stores.cursor[idx]) > 0).any(dim=1).tolist()
+            for (rid, slot), has in zip(scan, busy, strict=True):
+                if not has:
+                    for g in self.sliding_groups:
+                        self._retire_out_of_window(rid, slot, g)
+                    continue
+                selected, advance = self._select(rid, slot, None)
+                if selected:
+                    gsel = torch.tensor(selected, dtype=torch.int64, device=s.device)
+                    cpu = self._alloc(len(selected))
+                    batch.req_ids.append(rid)
+                    batch.gpu.append(gsel)
+                    batch.cpu.append(cpu)
+                    self._mark_in_flight(gsel)
+                if any(advance):
+                    s.stores.cursor[slot] += torch.tensor(advance, dtype=torch.int64, device=s.device)
+        wanted = self._candidates(None)
+        self.lost_keys_at_repair = len({kid for _, _, kid in wanted})
+        done = self._restore(wanted)
+        if done:
+            batch.req_ids.extend(rid for rid, _, _ in done)
+            batch.gpu.append(torch.tensor([g for _, g, _ in done], dtype=torch.int64, device=s.device))
+            batch.cpu.append(torch.tensor([c for _, _, c in done], dtype=torch.int64, device=s.device))
+        self.restores_last_plan = len(done)
+        self._release_held()
+        batch.req_ids = list(dict.fromkeys(batch.req_ids))
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        cpu, ev_b, ev_k = self.s.cpu_pool.alloc(n)
+        if ev_b.numel():
+            self.on_evictions(ev_b, ev_k)
+        return cpu
+
+    def _mark_in_flight(self, gpu_ids: torch.Tensor) -> None:
+        s = self.s
+        s.in_flight[gpu_ids] = True
+        s.gpu_pool.touch_t(gpu_ids)
+        ifk = self.in_flight_keys
+        for k in s.gpu_pool.key[gpu_ids].tolist():
+            ifk[k] = ifk.get(k, 0) + 1
+
+    def _release_held(self) -> None:
+        self.judged_cached.clear()
+        if self.held:
+            held, self.held = self.held, []
+            self.s.cpu_pool.free_t(torch.tensor(held, dtype=torch.int64, device=self.s.device))
+
+    def _candidates(self, finishing: tuple[str, list[list[int]]] | None) -> list[tuple[Position, int, int]]:
+        """Pending records still owned and uncovered, one per key, in record order; drops the rest."""
+        st = self.s.stores
+        out: list[tuple[Position, int, int]] = []
+        keys: set[int] = set()
+        for pos, kid in list(self.lost.items()):
+            rid, g, p = pos
+            if finishing is not None and rid != finishing[0]:
+                continue
+            slot = st.slot_of.get(rid)
+            b = None
+            if slot is not None and not st.finished[slot] and p < int(st.cursor[slot, g]):
+                if finishing is not None:
+                    ids = finishing[1][g]
+                    raw = ids[p] if p < len(ids) else None
+                else:
+                    raw = self._table_id(slot, g, p)
+                b = self._owned(slot, g, p, raw)
+            if b is None or self._covered(kid):
+                del self.lost[pos]
+                continue
+            if kid not in keys:
+                keys.add(kid)
+                out.append((pos, b, kid))
+        return out
+
+    def _acceptable(self, kid: int, useless_ok: bool = True) -> bool:
+        """R7: a free CPU entry may be taken iff unhashed, not live, or (``useless_ok``) useless."""
+        if kid < 0 or kid not in self.owners or not self._is_live(kid):
+            return True
+        if not useless_ok:
+            return False
+        rid, g, p = next(iter(self.owners[kid]))
+        if p == 0:
+            return False
+        st = self.s.stores
+        hids = st.sync_hids(st.slot_of[rid])
+        return not self._covered(hids[p - 1] * self.s.G + g)
+
+    def _choose_victims(self, n: int) -> list[int]:
+        """R7: (a) acceptable entries at the head, (b) retired keys oldest first, (c) a
+        refreshing walk of at most 2n + 8 entries."""
+        s = self.s
+        pool = s.cpu_pool
+        victims: list[int] = []
+        head = pool.free.peek_head(n)
+        for cb, kid in zip(head.tolist(), pool.key[head].tolist(), strict=True):  # (a)
+            if not self._acceptable(kid, useless_ok=False):
+                break
+            victims.append(cb)
+        if len(victims) >= n:
+            return victims
+        chosen = set(victims)
+        deferred: list[int] = []
+        retired = self.retired
+        while len(victims) < n and retired:  # (b)
+            kid, _ = retired.popitem(last=False)
+            cb = pool.index.get_one(kid)
+            if cb < 0 and self.in_flight_keys.get(kid, 0) > 0:
+                deferred.append(kid)  # its store has not completed yet
+                continue
+            if cb < 0 or cb in chosen or self._is_live(kid):
+                continue
+            if int(pool.ref[cb]) > 0:
+                deferred.append(kid)
+                continue
+            victims.append(cb)
+            chosen.add(cb)
+        for kid in deferred:
+            retired[kid] = None
+        budget = 2 * n + 8
+        if len(victims) < n:  # (c)
+            walk = pool.free.peek_head(len(chosen) + budget)
+            refresh: list[int] = []
+            useless: list[int] = []  # acceptable only because their parent is lost: taken last
+            for cb, kid in zip(walk.tolist(), pool.key[walk].tolist(), strict=True):
+                if len(victims) >= n or budget <= 0:
+                    break
+                if cb in chosen:
+                    continue
+                budget -= 1
+                if self._acceptable(kid, useless_ok=False):
+                    victims.append(cb)
+                elif self._acceptable(kid):
+                    useless.append(cb)
+                else:
+                    refresh.append(cb)
+            if refresh:
+                pool.touch_t(torch.tensor(refresh, dtype=torch.int64, device=s.device))
+                self.held.extend(refresh)
+            victims += useless[: n - len(victims)]
+        return victims
+
+    def _restore(self, wanted: list[tuple[Position, int, int]]) -> list[tuple[str, int, int]]:
+        if not wanted:
+            return []
+        victims = self._choose_victims(len(wanted))
+        if not victims:
+            return []
+        s = self.s
+        pool = s.cpu_pool
+        vt = torch.tensor(victims, dtype=torch.int64, device=s.device)
+        vkeys = pool.key[vt]
+        self.useful_evicted_by_restores += sum(1 for k in vkeys.tolist() if not self._acceptable(k))
+        taken = wanted[: len(victims)]
+        pool.touch_t(vt)
+        hashed = vkeys >= 0
+        ev_b, ev_k = vt[hashed], vkeys[hashed]
+        if ev_b.numel():
+            pool.index.remove_many(ev_b, ev_k)
+            pool.key[ev_b] = -1
+            self.on_evictions(ev_b, ev_k)
+        for pos, _, _ in taken:
+            self.lost.pop(pos, None)
+        self._mark_in_flight(torch.tensor([b for _, b, _ in taken], dtype=torch.int64, device=s.device))
+        return [(pos[0], b, c) for (pos, b, _), c in zip(taken, victims, strict=True)]
+
+    # -- finish, completion, reset ----------------------------------------------------------------
+
+    def finish_flush(self, request: RequestView, slot: int, block_ids: list[list[int]]) -> None:
+        """R9: the live table's new work first, then this request's pending records."""
+        s = self.s
+        rid = request.request_id
+        selected, _ = self._select(rid, slot, block_ids)
+        gpu = list(selected)
+        cpu: list[int] = []
+        if selected:
+            gsel = torch.tensor(selected, dtype=torch.int64, device=s.device)
+            cpu = self._alloc(len(selected)).tolist()
+            self._mark_in_flight(gsel)
+        for _, b, c in self._restore(self._candidates((rid, block_ids))):
+            gpu.append(b)
+            cpu.append(c)
+        self._release_held()
+        if gpu:
+            s.queue_flush(torch.tensor(gpu, dtype=torch.int64, device=s.device),
+                          torch.tensor(cpu, dtype=torch.int64, device=s.device))
+
+    def on_store_completed(self, kids: torch.Tensor) -> None:
+        ifk = self.in_flight_keys
+        for k in kids.tolist():
+            if k < 0:
+                continue
+            n = ifk.get(k, 0) - 1
+            if n > 0:
+                ifk[k] = n
+            else:
+                ifk.pop(k, None)
+
+    def on_request_finished(self, rid: str) -> None:
+        self._drop_request(rid)
+
+    def on_reset(self) -> None:
+        self.owners.clear()
+        self.lost.clear()
+        self.in_flight_keys.clear()
+        self.owned_keys.clear()
+        self.window_floor.clear()
+        self.retired.clear()
+
+    def snapshot(self) -> dict[str, Any]:
+        keys = self.s.keys
+        return {
+            "lost": sorted([rid, g, p] for rid, g, p in self.lost),
+            "in_flight_keys": sorted(keys.key_text(k) for k in self.in_flight_keys),
+            "restores_last_plan": self.restores_last_plan,
+            "lost_keys_at_repair": self.lost_keys_at_repair,
+            "self_evictions": self.self_evictions,
+            "useful_evicted_by_restores": self.useful_evicted_by_restores,
+        }
