@@ -285,7 +285,7 @@ def write_trace(trace: Trace, out_dir: str | Path, name: str) -> Path:
 
 def make_state_machine(factory: TargetFactory, reference: TargetFactory | None = None,
                        policy: str = "repair", oracle: tuple[str, ...] | None = None,
-                       trace_dir: str | Path | None = None) -> type:
+                       trace_dir: str | Path | None = None, lazy: bool = False) -> type:
     """A ``RuleBasedStateMachine`` driving ``Engine(factory(config))`` for ``policy``.
 
     Requests live in a bundle (``finish`` consumes them); rules whose arguments depend on
@@ -318,7 +318,7 @@ def make_state_machine(factory: TargetFactory, reference: TargetFactory | None =
         def setup(self, gpu: int, cpu: int, world: int, swa: int) -> None:
             groups = (KVGroup(), KVGroup("sliding", sliding_window=swa)) if swa else (KVGroup(),)
             self.config = OffloadConfig(block_size=16, num_gpu_blocks=gpu, num_cpu_blocks=cpu, world_size=world,
-                                        groups=groups, policy=policy)
+                                        groups=groups, policy=policy, lazy_offload=lazy)
             self.engine = Engine(factory(self.config))
             self.ref = Engine(reference(self.config)) if reference is not None else None
 

@@ -5,8 +5,11 @@ drawn; the invariant catalogue is checked after every step; rare paths are shown
 ``--hypothesis-show-statistics``.
 """
 
-from kvspec.harness import make_state_machine
 from kvspec.model import make_scheduler
 
+from kvspec.harness import make_state_machine
+
 TestBaseline = make_state_machine(make_scheduler, policy="baseline").TestCase
+TestSignalRescan = make_state_machine(make_scheduler, policy="signal-rescan").TestCase
 TestRepair = make_state_machine(make_scheduler, policy="repair").TestCase
+TestLazyBaseline = make_state_machine(make_scheduler, policy="baseline", lazy=True).TestCase
