@@ -5,9 +5,10 @@ worker) and wraps them in the ``OffloadTarget`` contract, so the engine model, t
 conformance harness, the fuzzer and ``replay`` can drive real vLLM exactly as they
 drive the model:
 
-* **GPU pool:** a vLLM ``BlockPool`` with prefix caching, behind ``VllmGpuPool``,
-  which speaks block ids and kvspec keys ``(hash_hex, group_id)``; vLLM keys are the
-  hash bytes followed by the group id as 4 big-endian bytes.
+* **Pools:** the GPU pool is a vLLM ``BlockPool`` with prefix caching; it and the
+  manager's CPU pool are exposed as ``gpu_pool``/``cpu_pool`` (``VllmPool``), which
+  speak block ids and kvspec keys ``(hash_hex, group_id)``; vLLM keys are the hash
+  bytes followed by the group id as 4 big-endian bytes.
 * **Manager:** ``SimpleCPUOffloadScheduler`` built from a duck-typed ``vllm_config``
   (only the attributes the manager reads), a ``KVCacheConfig`` with one
   ``FullAttentionSpec`` or ``SlidingWindowSpec`` group per configured group, and an
@@ -169,8 +170,8 @@ def pool_snapshot(pool: Any) -> dict[str, Any]:
     return snap
 
 
-class VllmGpuPool:
-    """A vLLM GPU ``BlockPool`` behind kvspec's ``GpuPool`` contract (block ids, text keys).
+class VllmPool:
+    """A vLLM ``BlockPool`` behind kvspec's ``GpuPool`` contract (block ids, text keys).
 
     Every call is checked with the model pool's rules first (ids in range, never the
     null block, no free below ref count 0, no allocation beyond the free count), so a
@@ -229,18 +230,31 @@ class VllmGpuPool:
         got = self.pool.get_cached_block(hash_to_bytes(block_hash), list(group_ids))
         return None if got is None else [b.block_id for b in got]
 
+    def get_one_block(self, key: Key) -> int | None:
+        got = self.pool.cached_block_hash_to_block.get_one_block(key_to_bytes(key))
+        return None if got is None else got.block_id
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the cached entries (and hashes) of blocks, whatever their ref count."""
+        ids = list(block_ids)
+        self._validate(ids, "evict", allow_null=True)
+        self.pool.evict_blocks(set(ids))
+
     def reset_prefix_cache(self) -> bool:
         return bool(self.pool.reset_prefix_cache())
 
     def snapshot(self) -> dict[str, Any]:
         return pool_snapshot(self.pool)
 
-    def _validate(self, ids: Sequence[int], what: str) -> None:
+    def _validate(self, ids: Sequence[int], what: str, allow_null: bool = False) -> None:
         for b in ids:
             if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < self.num_blocks:
                 raise InvalidBlockError(f"{self.name}: cannot {what} block {b!r}: ids are 0..{self.num_blocks - 1}")
-            if b == NULL_BLOCK:
+            if b == NULL_BLOCK and not allow_null:
                 raise InvalidBlockError(f"{self.name}: cannot {what} the null block 0")
+
+
+VllmGpuPool = VllmPool
 
 
 # -- requests --------------------------------------------------------------------------------
@@ -293,7 +307,8 @@ class VllmTarget:
         )
         gpu = vllm.BlockPool(config.num_gpu_blocks, enable_caching=True, hash_block_size=config.block_size)
         self.manager.bind_gpu_block_pool(gpu)
-        self.gpu_pool = VllmGpuPool(gpu, "gpu")
+        self.gpu_pool = VllmPool(gpu, "gpu")
+        self.cpu_pool = VllmPool(self.manager.cpu_block_pool, "cpu")
         self._mirrors: dict[str, _Mirror] = {}
 
     def _kv_cache_config(self) -> tuple[Any, int]:
@@ -498,6 +513,14 @@ class VllmTarget:
         req = self._mirror(request)
         self._sync_known()
         done, params = self.manager.request_finished_all_groups(req, tuple(list(g or []) for g in ids))
+        assert params is None
+        return bool(done), None
+
+    def request_finished(self, request: RequestView) -> tuple[bool, None]:
+        """vLLM's single-list ``request_finished`` (no flush); the scheduler never calls it."""
+        req = self._mirror(request)
+        self._sync_known()
+        done, params = self.manager.request_finished(req, [])
         assert params is None
         return bool(done), None
 

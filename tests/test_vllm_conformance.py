@@ -207,6 +207,113 @@ def test_a_model_that_is_not_vllm_is_caught(variant: type[OffloadScheduler]) -> 
     assert found is not None, f"{variant.__name__} agreed with vLLM on 40 traces"
 
 
+# -- the hand-driven scenarios (T1-T8, vLLM's own tests) in lockstep ------------------------------------
+
+
+_TARGET_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                 "update_connector_output", "request_finished_all_groups", "request_finished", "reset",
+                 "has_pending_stores")
+_POOL_CALLS = ("get_new_blocks", "touch", "free_blocks", "insert_block_hash", "reset_prefix_cache",
+               "get_num_free_blocks", "get_cached_block", "get_one_block", "evict_blocks")
+
+
+class LockstepDivergence(AssertionError):
+    pass
+
+
+class Lockstep:
+    """The model and vLLM driven by the same direct calls; every call's outcome and the
+    snapshots after it must agree. Everything else is read from the model."""
+
+    def __init__(self, model: Any, vllm: Any) -> None:
+        self._model, self._vllm = model, vllm
+        self.calls = 0
+        self.gpu_pool = _LockstepPool(self, "gpu_pool")
+        self.cpu_pool = _LockstepPool(self, "cpu_pool")
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _TARGET_CALLS:
+            return lambda *a, **k: self._both(name, lambda t: getattr(t, name)(*a, **k))
+        return getattr(self._model, name)
+
+    def _both(self, what: str, call: Callable[[Any], Any]) -> Any:
+        results = []
+        for t in (self._model, self._vllm):
+            try:
+                results.append(("ok", call(t), None))
+            except KVSpecError as exc:
+                results.append(("rejected", type(exc).__name__, exc))
+        (kind, value, exc), (v_kind, v_value, _) = results
+        if (kind, value) != (v_kind, v_value):
+            raise LockstepDivergence(f"{what}: model {kind} {value!r}, vLLM {v_kind} {v_value!r}")
+        diff = first_difference(self._model.snapshot(), self._vllm.snapshot())
+        if diff is not None:
+            raise LockstepDivergence(f"after {what}: {diff}")
+        self.calls += 1
+        if exc is not None:
+            raise exc
+        return value
+
+
+class _LockstepPool:
+    def __init__(self, owner: Lockstep, which: str) -> None:
+        self._owner, self._which = owner, which
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _POOL_CALLS:
+            return lambda *a, **k: self._owner._both(
+                f"{self._which}.{name}", lambda t: getattr(getattr(t, self._which), name)(*a, **k))
+        return getattr(getattr(self._owner._model, self._which), name)
+
+
+def _scenario_cases() -> list[Any]:
+    import importlib
+    import inspect
+
+    cases = []
+    for modname in ("test_traces_t1_t8", "test_vllm_scenarios"):
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError:
+            continue
+        for name, fn in sorted(vars(mod).items()):
+            if not name.startswith("test_") or not callable(fn) or not hasattr(mod, "make"):
+                continue
+            params = list(inspect.signature(fn).parameters)
+            marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "parametrize"]
+            if not params:
+                cases.append(pytest.param(modname, name, {}, id=f"{modname}::{name}"))
+            elif len(marks) == 1 and [marks[0].args[0]] == params:
+                for v in marks[0].args[1]:
+                    cases.append(pytest.param(modname, name, {params[0]: v}, id=f"{modname}::{name}[{v}]"))
+    return cases
+
+
+@pytest.mark.parametrize(("modname", "name", "kwargs"), _scenario_cases())
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
+def test_hand_driven_scenarios_agree_call_by_call(modname: str, name: str, kwargs: dict[str, Any],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worked traces T1-T8 and vLLM's own scheduler scenarios, run on the model and on
+    vLLM at once: each direct call (scheduler and GPU pool) must agree, then the test's own
+    assertions run as written."""
+    import importlib
+
+    mod = importlib.import_module(modname)
+    made: list[Lockstep] = []
+
+    def make(policy: str = "baseline", cpu: int = 5, gpu: int = 16, **kw: Any) -> Any:
+        config = OffloadConfig(num_cpu_blocks=cpu, num_gpu_blocks=gpu, policy=policy, **kw)
+        if policy != "baseline":
+            return make_scheduler(config)
+        made.append(Lockstep(make_scheduler(config), _vllm_factory(config)))
+        return made[-1]
+
+    monkeypatch.setattr(mod, "make", make)
+    getattr(mod, name)(**kwargs)
+    assert made and sum(s.calls for s in made) > 0
+
+
 # -- rejections of bad input ------------------------------------------------------------------------
 
 
