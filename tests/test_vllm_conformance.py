@@ -165,6 +165,36 @@ def test_model_baseline_agrees_with_vllm_after_every_operation(name: str, tmp_pa
     assert tally.ops == TRACES * OPS_PER_TRACE
 
 
+def random_config(rng: random.Random) -> OffloadConfig:
+    """Block sizes 1-16, up to three groups (full or sliding windows of 2 tokens and up),
+    world sizes 1-3, eager or lazy, small and large pools."""
+    bs = rng.choice([1, 2, 3, 4, 5, 8, 16])
+    groups = [KVGroup()]
+    for _ in range(rng.choice([0, 0, 1, 1, 2])):
+        groups.append(KVGroup("sliding", rng.randint(2, 4 * bs + 3)) if rng.random() < 0.8 else KVGroup())
+    rng.shuffle(groups)
+    return _cfg(block_size=bs, num_gpu_blocks=rng.randint(6, 40) * len(groups), num_cpu_blocks=rng.randint(2, 30),
+                groups=tuple(groups), world_size=rng.choice([1, 1, 2, 3]), lazy_offload=rng.random() < 0.25,
+                max_num_batched_tokens=rng.choice([bs, 4 * bs, 64]))
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
+def test_random_configurations_agree(tmp_path: Path) -> None:
+    tally = Tally()
+    for seed in range(2 * TRACES):
+        rng = random.Random(50_000 + seed)
+        config = random_config(rng)
+        ops = random_ops(config, rng, 200, num_families=rng.choice([1, 2, 3]), invalid_rate=0.03)
+        d = run_side_by_side(config, ops, make_scheduler, _vllm_factory, tally)
+        if d is not None:
+            path = _write_failure(config, seed, ops, d, tmp_path, "random")
+            pytest.fail(f"{config.to_json()}: operation {d.op_index} {d.op}: {d.what}\ntrace: {path}")
+        tally.traces += 1
+    print(f"\n[vllm conformance] random configurations: {tally.traces} traces, {tally.ops} operations in agreement")
+    assert tally.ops == 2 * TRACES * 200
+
+
 # -- the comparison can fail -----------------------------------------------------------------------
 
 
@@ -398,6 +428,7 @@ def test_bad_input_is_rejected_alike_and_changes_nothing(name: str) -> None:
                 assert first_difference(before, ref.snapshot()) is None, f"{what} changed the model"
                 assert first_difference(before, got.snapshot()) is None, f"{what} changed vLLM"
                 checked += 1
+    print(f"\n[vllm rejections] {name}: {checked} bad calls rejected alike, nothing changed")
     assert checked > 100
 
 
