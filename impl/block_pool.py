@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from kvspec.impl.convert import int_tensor
 from kvspec.impl.free_list import FreeList
 from kvspec.impl.keys import BlockKey, KeyTable
 from kvspec.impl.prefix_index import PrefixIndex
@@ -62,7 +63,7 @@ class TensorBlockPool:
     def as_ids(self, ids: Iterable[int] | torch.Tensor) -> torch.Tensor:
         if isinstance(ids, torch.Tensor):
             return ids.to(dtype=torch.int64, device=self.device)
-        return torch.tensor(list(ids), dtype=torch.int64, device=self.device)
+        return int_tensor(list(ids), self.device)
 
     def first_of(self, kids: torch.Tensor) -> torch.Tensor:
         return self.index.first_of(kids)
@@ -193,8 +194,8 @@ class TensorBlockPool:
         self.key[block_id] = kid
         self.index.insert(kid, block_id)
         if self.on_register is not None:
-            b = torch.tensor([block_id], dtype=torch.int64, device=self.device)
-            self.on_register(torch.tensor([kid], dtype=torch.int64, device=self.device), b)
+            b = int_tensor([block_id], self.device)
+            self.on_register(int_tensor([kid], self.device), b)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         ids = list(block_ids)

@@ -18,6 +18,7 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
+from kvspec.impl.convert import int_tensor
 
 BlockKey = tuple[str, int]
 
@@ -37,7 +38,8 @@ class KeyTable:
         self._odd: dict[BlockKey, int] = {}
         self._text: list[str | BlockKey] = []  # per hash id: the hash text, or the whole odd key
         self._seeds: list[int] = []
-        self._seed_t = torch.zeros(0, dtype=torch.int64, device=device)
+        self._seed_t = torch.zeros(64, dtype=torch.int64, device=device)
+        self._seed_n = 0  # seeds copied into the tensor so far
 
     def __len__(self) -> int:
         return len(self._text)
@@ -100,6 +102,12 @@ class KeyTable:
 
     def seeds(self, kids: torch.Tensor) -> torch.Tensor:
         """Seeds of the hashes of ``kids`` (vectorized)."""
-        if self._seed_t.numel() < len(self._seeds):
-            self._seed_t = torch.tensor(self._seeds, dtype=torch.int64, device=self.device)
+        n = len(self._seeds)
+        if self._seed_n < n:
+            if n > self._seed_t.numel():
+                grown = torch.zeros(max(n, 2 * self._seed_t.numel()), dtype=torch.int64, device=self.device)
+                grown[: self._seed_n] = self._seed_t[: self._seed_n]
+                self._seed_t = grown
+            self._seed_t[self._seed_n : n] = int_tensor(self._seeds[self._seed_n :], self.device)
+            self._seed_n = n
         return self._seed_t[torch.div(kids, self.num_groups, rounding_mode="floor")]

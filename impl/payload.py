@@ -22,6 +22,7 @@ chunked so that the gathered rows are still in cache when they are written.
 from __future__ import annotations
 
 import torch
+from kvspec.impl.convert import int_tensor
 from kvspec.impl.keys import seed_of
 
 _MIX = (0x9E3779B97F4A7C15 - (1 << 64), 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64))
@@ -98,7 +99,7 @@ class PayloadStore:
         """Apply the queued compute writes (skipping blocks that hold loaded data)."""
         if not self._pending:
             return
-        blocks = torch.tensor(list(self._pending), dtype=torch.int64, device=self.gpu.device)
+        blocks = int_tensor(list(self._pending), self.gpu.device)
         kids = torch.tensor(list(self._pending.values()), dtype=torch.int64, device=self.gpu.device)
         self._pending.clear()
         keep = ~self.loaded[blocks]

@@ -51,10 +51,9 @@ class Candidates:
 
 @dataclass
 class Decision:
-    selected: torch.Tensor  # candidate indices, in visiting order
-    src: torch.Tensor  # their GPU blocks
+    src: torch.Tensor  # the selected GPU blocks, in visiting order
     advance: torch.Tensor  # [k, G] cursor advance per request and group
-    per_occ: list[int]  # selected count per request
+    occ_with_selection: list[int]  # requests (local index) that selected something, in order
     cut: int  # requests decided (a prefix of the batch)
 
 
@@ -62,13 +61,19 @@ def layout(cur: torch.Tensor, ready: torch.Tensor, rescan: bool) -> tuple[torch.
     """Flat (occ, g, p, phase1, pair) for ranges [cursor, ready) (after [0, min(cursor, ready)))."""
     k, G = cur.shape
     n1 = (ready - cur).clamp(min=0)
-    n0 = torch.minimum(cur, ready).clamp(min=0) if rescan else torch.zeros_like(n1)
+    if not rescan:
+        m = int(n1.max()) if n1.numel() else 0
+        if m == 0:
+            return None
+        occ, g, j = (torch.arange(m, device=cur.device) < n1.unsqueeze(-1)).nonzero(as_tuple=True)
+        return occ, g, cur[occ, g] + j, None, occ * G + g
+    n0 = torch.minimum(cur, ready).clamp(min=0)
     cnt = (n0 + n1).flatten()
     total = int(cnt.sum())
     if total == 0:
         return None
     dev = cur.device
-    pair = torch.repeat_interleave(torch.arange(k * G, device=dev), cnt, output_size=total)
+    pair = torch.repeat_interleave(torch.arange(k * G, device=dev), cnt)
     start = torch.cumsum(cnt, 0) - cnt
     local = torch.arange(total, device=dev) - start[pair]
     n0f = n0.flatten()[pair]
@@ -79,33 +84,32 @@ def layout(cur: torch.Tensor, ready: torch.Tensor, rescan: bool) -> tuple[torch.
 
 def decide(c: Candidates, k: int, G: int, gpu_key: torch.Tensor, in_flight: torch.Tensor,
            cpu_first_of: Callable[[torch.Tensor], torch.Tensor], cpu_key: torch.Tensor,
-           peek_cpu_head: Callable[[int], torch.Tensor], free0: int, cross_request: bool) -> Decision:
+           peek_cpu_head: Callable[[int], torch.Tensor], free0: int, cross_request: bool,
+           scratch: torch.Tensor) -> Decision:
+    """``scratch``: an int64 tensor over the GPU blocks, all ``BIG``; left as found."""
     dev = c.src.device
     n = c.src.numel()
-    valid = c.src > 0
     src = c.src.clamp(min=0)
-    key = torch.where(valid, gpu_key[src], -1)
-    hashed = key >= 0
-    movable = hashed & ~in_flight[src]
+    key = gpu_key[src]
+    if bool((c.src <= 0).any()):
+        key = torch.where(c.src > 0, key, -1)
+    movable = (key >= 0) & ~in_flight[src]
     cached = cpu_first_of(key) >= 0
     ready = movable & ~cached
     already = movable & cached
     if cross_request and k > 1:
-        idx = ready.nonzero().flatten()
-        if idx.numel() > 1:
-            uniq, inv = torch.unique(src[idx], return_inverse=True)
-            first = torch.full((uniq.numel(),), BIG, dtype=torch.int64, device=dev)
-            first.scatter_reduce_(0, inv, c.occ[idx], reduce="amin")
-            late = c.occ[idx] > first[inv]
-            if bool(late.any()):
-                ready[idx[late]] = False
-    cum = torch.cumsum(ready.to(torch.int64), 0)
-    sel = ready & (cum <= free0)
-    stop = ready & ~sel
-    sel_per_occ = torch.zeros(k, dtype=torch.int64, device=dev).scatter_add_(0, c.occ, sel.to(torch.int64))
+        # first request that has each block READY; later requests see it in flight
+        rs, ro = src[ready], c.occ[ready]
+        scratch.scatter_reduce_(0, rs, ro, reduce="amin")
+        late = ro > scratch[rs]
+        scratch[rs] = BIG
+        if bool(late.any()):
+            ready[ready.nonzero().flatten()[late]] = False
+    cum = torch.cumsum(ready, 0)
+    total = int(cum[-1])
     cut = k
-    K = int(sel_per_occ.sum())
-    if K > 0 and bool(already.any()):
+    if total > 0 and bool(already.any()):
+        K = min(total, free0)
         popped_keys = cpu_key[peek_cpu_head(K)]
         hk = (popped_keys >= 0).nonzero().flatten()
         if hk.numel():
@@ -115,25 +119,40 @@ def decide(c: Candidates, k: int, G: int, gpu_key: torch.Tensor, in_flight: torc
             akey = key[ai]
             at = torch.searchsorted(ks, akey).clamp(max=ks.numel() - 1)
             found = ks[at] == akey
-            before = torch.cumsum(sel_per_occ, 0) - sel_per_occ
-            danger = found & (kpos[at] < before[c.occ[ai]])
+            # selections of the requests before each candidate's request: the count at its request's start
+            first_of_occ = torch.full((k,), BIG, dtype=torch.int64, device=dev)
+            first_of_occ.scatter_reduce_(0, c.occ, torch.arange(n, device=dev), reduce="amin")
+            start = first_of_occ[c.occ[ai]]
+            before = (cum[start] - ready[start].to(torch.int64)).clamp(max=free0)
+            danger = found & (kpos[at] < before)
             if bool(danger.any()):
                 cut = int(c.occ[ai[danger]].min())
+    if total < free0 and cut == k:  # everything fits: every position passed, every READY taken
+        chosen = ready.nonzero().flatten()
+        advance = torch.zeros(k * G, dtype=torch.int64, device=dev)
+        if c.phase1 is None:
+            advance.scatter_add_(0, c.pair, torch.ones_like(c.pair))
+        else:
+            advance.scatter_add_(0, c.pair, c.phase1.to(torch.int64))
+        return Decision(c.src[chosen], advance.view(k, G),
+                        torch.unique_consecutive(c.occ[chosen]).tolist(), cut)
+    phase1 = c.phase1 if c.phase1 is not None else torch.ones(n, dtype=torch.bool, device=dev)
+    sel = ready & (cum <= free0)
+    stop = ready & ~sel
     idx = torch.arange(n, device=dev)
     first_idx = torch.full((k * G,), BIG, dtype=torch.int64, device=dev)
     first_idx.scatter_reduce_(0, c.pair, idx, reduce="amin")
     excl = cum - ready.to(torch.int64)
     alive = excl[first_idx.clamp(max=max(n - 1, 0))] < free0
     stop_at = torch.full((k * G,), BIG, dtype=torch.int64, device=dev)
-    s1 = (stop & c.phase1).nonzero().flatten()
+    s1 = (stop & phase1).nonzero().flatten()
     if s1.numel():
         stop_at.scatter_reduce_(0, c.pair[s1], s1, reduce="amin")
-    moves = c.phase1 & alive[c.pair] & (idx < stop_at[c.pair])
+    moves = phase1 & alive[c.pair] & (idx < stop_at[c.pair])
     if cut < k:
         keep = c.occ < cut
         sel &= keep
         moves &= keep
-        sel_per_occ[cut:] = 0
     advance = torch.zeros(k * G, dtype=torch.int64, device=dev).scatter_add_(0, c.pair, moves.to(torch.int64))
     chosen = sel.nonzero().flatten()
-    return Decision(chosen, c.src[chosen], advance.view(k, G), sel_per_occ.tolist(), cut)
+    return Decision(c.src[chosen], advance.view(k, G), torch.unique_consecutive(c.occ[chosen]).tolist(), cut)

@@ -39,7 +39,8 @@ class BaselinePolicy:
         segs = s.eager_segments(out)
         rescan = self.rescan_now()
         for seg in segs:
-            s.plan_scan(s.apply_segment(seg, out), batch, rescan)
+            rids, slots = s.apply_segment(seg, out)
+            s.plan_scan(rids, slots, batch, rescan)
         batch.req_ids = list(dict.fromkeys(batch.req_ids))
 
     def finish_flush(self, request: RequestView, slot: int, block_ids: list[list[int]]) -> None:

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
+from kvspec.impl.convert import int_tensor
 from kvspec.impl.policies import BaselinePolicy
 
 from kvspec.interfaces import RequestView, SchedulerOutput
@@ -188,9 +189,9 @@ class RepairPolicy(BaselinePolicy):
             w = self.windows[g]
             if w and p < max(0, req.num_computed_tokens - w + 1) // s.B:
                 want[i] = -2
-        bt = torch.tensor(cb, dtype=torch.int64, device=s.device)
+        bt = int_tensor(cb, s.device)
         gkey = s.gpu_pool.key[bt]
-        owned = (bt != 0) & (gkey == torch.tensor(want, dtype=torch.int64, device=s.device)) & (s.gpu_pool.ref[bt] >= 1)
+        owned = (bt != 0) & (gkey == int_tensor(want, s.device)) & (s.gpu_pool.ref[bt] >= 1)
         okey = torch.where(owned, gkey, -1)
         cblock = s.cpu_pool.first_of(okey)
         cfree = (cblock >= 0) & (s.cpu_pool.ref[cblock.clamp(min=0)] == 0)
@@ -244,7 +245,7 @@ class RepairPolicy(BaselinePolicy):
             while i < n and cg[i] == g:  # rest of a group the scan left
                 i += 1
         if pins:
-            s.cpu_pool.touch_t(torch.tensor(pins, dtype=torch.int64, device=s.device))
+            s.cpu_pool.touch_t(int_tensor(pins, s.device))
             self.held.extend(pins)
         return selected, advance
 
@@ -257,11 +258,11 @@ class RepairPolicy(BaselinePolicy):
         for rid in out.preempted_req_ids:
             self._drop_request(rid)
         for seg in segs:
-            scan = s.apply_segment(seg, out)
-            if not scan:
+            rids, slots = s.apply_segment(seg, out)
+            if not slots:
                 continue
-            slots = [sl for _, sl in scan]
-            idx = torch.tensor(slots, dtype=torch.int64, device=s.device)
+            scan = list(zip(rids, slots, strict=True))
+            idx = int_tensor(slots, s.device)
             ready = s._ready(slots, s.stores.length[idx])
             busy = ((ready - s.stores.cursor[idx]) > 0).any(dim=1).tolist()
             for (rid, slot), has in zip(scan, busy, strict=True):
@@ -271,21 +272,21 @@ class RepairPolicy(BaselinePolicy):
                     continue
                 selected, advance = self._select(rid, slot, None)
                 if selected:
-                    gsel = torch.tensor(selected, dtype=torch.int64, device=s.device)
+                    gsel = int_tensor(selected, s.device)
                     cpu = self._alloc(len(selected))
                     batch.req_ids.append(rid)
                     batch.gpu.append(gsel)
                     batch.cpu.append(cpu)
                     self._mark_in_flight(gsel)
                 if any(advance):
-                    s.stores.cursor[slot] += torch.tensor(advance, dtype=torch.int64, device=s.device)
+                    s.stores.cursor[slot] += int_tensor(advance, s.device)
         wanted = self._candidates(None)
         self.lost_keys_at_repair = len({kid for _, _, kid in wanted})
         done = self._restore(wanted)
         if done:
             batch.req_ids.extend(rid for rid, _, _ in done)
-            batch.gpu.append(torch.tensor([g for _, g, _ in done], dtype=torch.int64, device=s.device))
-            batch.cpu.append(torch.tensor([c for _, _, c in done], dtype=torch.int64, device=s.device))
+            batch.gpu.append(int_tensor([g for _, g, _ in done], s.device))
+            batch.cpu.append(int_tensor([c for _, _, c in done], s.device))
         self.restores_last_plan = len(done)
         self._release_held()
         batch.req_ids = list(dict.fromkeys(batch.req_ids))
@@ -308,7 +309,7 @@ class RepairPolicy(BaselinePolicy):
         self.judged_cached.clear()
         if self.held:
             held, self.held = self.held, []
-            self.s.cpu_pool.free_t(torch.tensor(held, dtype=torch.int64, device=self.s.device))
+            self.s.cpu_pool.free_t(int_tensor(held, self.s.device))
 
     def _candidates(self, finishing: tuple[str, list[list[int]]] | None) -> list[tuple[Position, int, int]]:
         """Pending records still owned and uncovered, one per key, in record order; drops the rest."""
@@ -398,7 +399,7 @@ class RepairPolicy(BaselinePolicy):
                 else:
                     refresh.append(cb)
             if refresh:
-                pool.touch_t(torch.tensor(refresh, dtype=torch.int64, device=s.device))
+                pool.touch_t(int_tensor(refresh, s.device))
                 self.held.extend(refresh)
             victims += useless[: n - len(victims)]
         return victims
@@ -411,7 +412,7 @@ class RepairPolicy(BaselinePolicy):
             return []
         s = self.s
         pool = s.cpu_pool
-        vt = torch.tensor(victims, dtype=torch.int64, device=s.device)
+        vt = int_tensor(victims, s.device)
         vkeys = pool.key[vt]
         self.useful_evicted_by_restores += sum(1 for k in vkeys.tolist() if not self._acceptable(k))
         taken = wanted[: len(victims)]
@@ -424,7 +425,7 @@ class RepairPolicy(BaselinePolicy):
             self.on_evictions(ev_b, ev_k)
         for pos, _, _ in taken:
             self.lost.pop(pos, None)
-        self._mark_in_flight(torch.tensor([b for _, b, _ in taken], dtype=torch.int64, device=s.device))
+        self._mark_in_flight(int_tensor([b for _, b, _ in taken], s.device))
         return [(pos[0], b, c) for (pos, b, _), c in zip(taken, victims, strict=True)]
 
     # -- finish, completion, reset ----------------------------------------------------------------
@@ -437,7 +438,7 @@ class RepairPolicy(BaselinePolicy):
         gpu = list(selected)
         cpu: list[int] = []
         if selected:
-            gsel = torch.tensor(selected, dtype=torch.int64, device=s.device)
+            gsel = int_tensor(selected, s.device)
             cpu = self._alloc(len(selected)).tolist()
             self._mark_in_flight(gsel)
         for _, b, c in self._restore(self._candidates((rid, block_ids))):
@@ -445,8 +446,8 @@ class RepairPolicy(BaselinePolicy):
             cpu.append(c)
         self._release_held()
         if gpu:
-            s.queue_flush(torch.tensor(gpu, dtype=torch.int64, device=s.device),
-                          torch.tensor(cpu, dtype=torch.int64, device=s.device))
+            s.queue_flush(int_tensor(gpu, s.device),
+                          int_tensor(cpu, s.device))
 
     def on_store_completed(self, kids: torch.Tensor) -> None:
         ifk = self.in_flight_keys

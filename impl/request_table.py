@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from kvspec.impl.convert import int_tensor
 from kvspec.impl.keys import KeyTable
 
 
@@ -39,6 +40,7 @@ class StoreTable:
         self.finished: list[bool] = []
         self.hids: list[list[int]] = []
         self._free_slots: list[int] = []
+        self.num_finished = 0  # slots whose request finished with store events pending
 
     def __contains__(self, rid: object) -> bool:
         return rid in self.slot_of
@@ -71,8 +73,16 @@ class StoreTable:
         self.length[s] = 0
         return s
 
+    def mark_finished(self, slot: int) -> None:
+        if not self.finished[slot]:
+            self.finished[slot] = True
+            self.num_finished += 1
+
     def remove(self, rid: str) -> int:
         s = self.slot_of.pop(rid)
+        if self.finished[s]:
+            self.finished[s] = False
+            self.num_finished -= 1
         self.rid[s] = None
         self.request[s] = None
         self.events[s] = set()
@@ -101,7 +111,7 @@ class StoreTable:
     def reset_rows(self, slots: Sequence[int], cursors_too: bool) -> None:
         if not slots:
             return
-        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        idx = int_tensor(list(slots), self.device)
         self.length[idx] = 0
         if cursors_too:
             self.cursor[idx] = 0
@@ -111,20 +121,20 @@ class StoreTable:
         if not seg_slot:
             return
         dev = self.device
-        s = torch.tensor(seg_slot, dtype=torch.int64, device=dev)
-        g = torch.tensor(seg_group, dtype=torch.int64, device=dev)
-        n = torch.tensor(seg_len, dtype=torch.int64, device=dev)
+        s = int_tensor(seg_slot, dev)
+        g = int_tensor(seg_group, dev)
+        n = int_tensor(seg_len, dev)
         base = self.length[s, g]
         new_len = base + n
         top = int(new_len.max())
         if top > self.capacity:
             self._grow_columns(top)
         total = len(flat)
-        rows = torch.repeat_interleave(s, n, output_size=total)
-        cols = torch.repeat_interleave(g, n, output_size=total)
+        rows = torch.repeat_interleave(s, n)
+        cols = torch.repeat_interleave(g, n)
         start = torch.cumsum(n, 0) - n
-        offs = torch.arange(total, device=dev) - torch.repeat_interleave(start - base, n, output_size=total)
-        self.table[rows, cols, offs] = torch.tensor(flat, dtype=torch.int64, device=dev)
+        offs = torch.arange(total, device=dev) - torch.repeat_interleave(start - base, n)
+        self.table[rows, cols, offs] = int_tensor(flat, dev)
         self.length[s, g] = new_len
 
     def ids(self, slot: int, g: int) -> list[int]:

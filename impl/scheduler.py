@@ -15,10 +15,13 @@ subclasses as the model; ``snapshot()`` is the model's canonical format, key for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter
 from typing import Any
 
 import torch
 from kvspec.impl.block_pool import TensorBlockPool
+from kvspec.impl.convert import int_tensor
 from kvspec.impl.hit_search import longest_hit
 from kvspec.impl.keys import KeyTable
 from kvspec.impl.payload import PayloadStore
@@ -35,7 +38,6 @@ from kvspec.interfaces import (
     SchedulerOutput,
     check_block_ids,
     check_count,
-    yield_req_data,
 )
 
 
@@ -67,10 +69,24 @@ class Load:
 
 
 @dataclass
+class Segment:
+    """Occurrences of requests in a scheduler output, in order (parallel lists)."""
+
+    rids: list[str]
+    ids: list[Any]
+    full: list[bool]
+    slots: list[int]
+
+
+@dataclass
 class StepBatch:
     gpu: list[torch.Tensor]
     cpu: list[torch.Tensor]
     req_ids: list[str]
+
+
+_COMPUTED = attrgetter("num_computed_tokens")
+_PLACEHOLDERS = attrgetter("num_output_placeholders")
 
 
 class TensorOffloadScheduler:
@@ -105,6 +121,7 @@ class TensorOffloadScheduler:
         self.store_event_to_reqs: dict[int, list[str]] = {}
         self.stores = StoreTable(self.G, self.keys, self.device)
         self.in_flight = torch.zeros(config.num_gpu_blocks, dtype=torch.bool, device=self.device)
+        self._scratch = torch.full((config.num_gpu_blocks,), 1 << 62, dtype=torch.int64, device=self.device)
         self.load_event_counter = 0
         self.store_event_counter = 0
         self.store_event_pending_counts: dict[int, int] = {}
@@ -126,7 +143,7 @@ class TensorOffloadScheduler:
         hids = [self.keys.known_hash_id(h) for h in hashes[: max_len // self.B]]
         if not hids or max(hids) < 0:
             return 0, False
-        h = torch.tensor(hids, dtype=torch.int64, device=self.device)
+        h = int_tensor(hids, self.device)
         kids = torch.where(h >= 0, h.view(1, -1) * self.G + torch.arange(self.G, device=self.device).view(-1, 1), -1)
         firsts = self.cpu_pool.first_of(kids).tolist()
         blocks, hit_len = longest_hit(firsts, self.config.groups, max_len, self.B)
@@ -238,78 +255,92 @@ class TensorOffloadScheduler:
             raise InvalidOperationError(
                 f"scheduled_cached_reqs lists {len(cr.req_ids)} request id(s) but "
                 f"{len(cr.new_block_ids)} block-id entries")
-        for rid, ids, _ in yield_req_data(out):
-            if ids is None:
-                continue
+        tables = [(nr.req_id, nr.block_ids) for nr in out.scheduled_new_reqs]
+        nb = cr.new_block_ids
+        if nb.count(None) != len(nb):
+            tables += [(r, ids) for r, ids in zip(cr.req_ids, nb, strict=True) if ids is not None]
+        for rid, ids in tables:
             if isinstance(ids, (tuple, list)) and len(ids) == G:
                 flat = [b for g in ids if g is not None for b in g]
-                if not flat or (all(type(b) is int for b in flat) and min(flat) >= 0 and max(flat) < n):
+                if not flat or (set(map(type, flat)) == {int} and min(flat) >= 0 and max(flat) < n):
                     continue
             check_block_ids(ids, G, n, f"scheduler output for {rid}")
-        for rid, cnt in out.num_scheduled_tokens.items():
-            if type(cnt) is not int or cnt < 0:
+        counts = out.num_scheduled_tokens
+        if counts and (set(map(type, counts.values())) != {int} or min(counts.values()) < 0):
+            for rid, cnt in counts.items():
                 check_count(cnt, f"num_scheduled_tokens[{rid}]")
 
     def _ready(self, slots: list[int], lengths: torch.Tensor) -> torch.Tensor:
-        reqs = self.stores.request
-        conf = [max(0, reqs[s].num_computed_tokens - reqs[s].num_output_placeholders) // self.B for s in slots]
-        c = torch.tensor(conf, dtype=torch.int64, device=self.device).view(-1, 1)
-        return torch.minimum(lengths, c)
+        """Confirmed full blocks per (request, group): computed minus placeholders, capped at the ids."""
+        reqs = list(map(self.stores.request.__getitem__, slots))
+        done = int_tensor(list(map(_COMPUTED, reqs)), self.device)
+        if any(map(_PLACEHOLDERS, reqs)):
+            done = done - int_tensor(list(map(_PLACEHOLDERS, reqs)), self.device)
+        conf = torch.div(done.clamp(min=0), self.B, rounding_mode="floor")
+        return torch.minimum(lengths, conf.view(-1, 1))
 
-    def eager_segments(self, out: SchedulerOutput) -> list[list[tuple[str, Any, bool, int]]]:
-        """Preemption reset; then the scanned requests' occurrences (rid, ids, full, slot) in
-        order, split so that no slot repeats inside a segment (vLLM applies a request listed
-        twice one occurrence after the other)."""
+    def eager_segments(self, out: SchedulerOutput) -> list[Segment]:
+        """Preemption reset; then the registered, unfinished requests' occurrences in vLLM's order,
+        split so that no slot repeats inside a segment (vLLM applies a request listed twice one
+        occurrence after the other)."""
         st = self.stores
         if out.preempted_req_ids:
             st.reset_rows([st.slot_of[r] for r in out.preempted_req_ids if r in st.slot_of], True)
-        slot_of, finished = st.slot_of, st.finished
-        segs: list[list[tuple[str, Any, bool, int]]] = [[]]
+        cr = out.scheduled_cached_reqs
+        new = out.scheduled_new_reqs
+        rids = [nr.req_id for nr in new] + cr.req_ids if new else cr.req_ids
+        ids = [nr.block_ids for nr in new] + cr.new_block_ids if new else cr.new_block_ids
+        if cr.resumed_req_ids:
+            full = [True] * len(new) + [r in cr.resumed_req_ids for r in cr.req_ids]
+        else:
+            full = [True] * len(new) + [False] * len(cr.req_ids)
+        slots = list(map(st.slot_of.get, rids))
+        if None in slots or st.num_finished:
+            fin = st.finished
+            keep = [s is not None and not fin[s] for s in slots]
+            rids, ids, full, slots = (list(compress(x, keep)) for x in (rids, ids, full, slots))
+        if len(set(slots)) == len(slots):
+            return [Segment(rids, ids, full, slots)]
+        segs = [Segment([], [], [], [])]
         seen: set[int] = set()
-        for rid, ids, full in yield_req_data(out):
-            s = slot_of.get(rid)
-            if s is None or finished[s]:
-                continue
-            if s in seen:
-                segs.append([])
+        for o in zip(rids, ids, full, slots, strict=True):
+            if o[3] in seen:
+                segs.append(Segment([], [], [], []))
                 seen = set()
-            seen.add(s)
-            segs[-1].append((rid, ids, full, s))
+            seen.add(o[3])
+            for lst, v in zip((segs[-1].rids, segs[-1].ids, segs[-1].full, segs[-1].slots), o, strict=True):
+                lst.append(v)
         return segs
 
-    def apply_segment(self, seg: list[tuple[str, Any, bool, int]], out: SchedulerOutput) -> list[tuple[str, int]]:
-        """Accumulate a segment's ids (full tables replace); the (rid, slot) list to scan."""
-        sched = out.num_scheduled_tokens
-        scan: list[tuple[str, int]] = []
-        resets: list[int] = []
-        app: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
-        for rid, ids, full, s in seg:
-            if full:
-                resets.append(s)
-            if ids is not None:
-                for g, gids in enumerate(ids):
-                    if gids:
-                        app[0].append(s)
-                        app[1].append(g)
-                        app[2].append(len(gids))
-                        app[3].extend(gids)
-            if sched.get(rid, 0):
-                scan.append((rid, s))
-        self.stores.reset_rows(resets, False)
-        self.stores.append(*app)
-        return scan
+    def apply_segment(self, seg: Segment, out: SchedulerOutput) -> tuple[list[str], list[int]]:
+        """Accumulate a segment's ids (full tables replace); the rids and slots to scan."""
+        if any(seg.full):
+            self.stores.reset_rows(list(compress(seg.slots, seg.full)), False)
+        if seg.ids.count(None) != len(seg.ids):
+            app: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
+            for ids, s in zip(seg.ids, seg.slots, strict=True):
+                if ids is not None:
+                    for g, gids in enumerate(ids):
+                        if gids:
+                            app[0].append(s)
+                            app[1].append(g)
+                            app[2].append(len(gids))
+                            app[3].extend(gids)
+            if app[0]:
+                self.stores.append(*app)
+        want = list(map(out.num_scheduled_tokens.get, seg.rids))
+        return list(compress(seg.rids, want)), list(compress(seg.slots, want))
 
-    def plan_scan(self, scan: list[tuple[str, int]], batch: StepBatch, rescan: bool) -> None:
-        """Decide ``scan`` (distinct slots) in batches; commit each (baseline, signal-rescan)."""
-        while scan:
-            cut = self._plan_batch(scan, batch, rescan)
-            scan = scan[cut:]
+    def plan_scan(self, rids: list[str], slots: list[int], batch: StepBatch, rescan: bool) -> None:
+        """Decide requests (distinct slots) in batches; commit each (baseline, signal-rescan)."""
+        while slots:
+            cut = self._plan_batch(rids, slots, batch, rescan)
+            rids, slots = rids[cut:], slots[cut:]
 
-    def _plan_batch(self, scan: list[tuple[str, int]], batch: StepBatch, rescan: bool) -> int:
+    def _plan_batch(self, rids: list[str], slots: list[int], batch: StepBatch, rescan: bool) -> int:
         st = self.stores
-        slots = [s for _, s in scan]
         k = len(slots)
-        sl = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        sl = int_tensor(slots, self.device)
         cur = st.cursor[sl]
         ready = self._ready(slots, st.length[sl])
         lay = layout(cur, ready, rescan)
@@ -317,19 +348,17 @@ class TensorOffloadScheduler:
             return k
         occ, g, p, phase1, pair = lay
         gid = st.table[sl[occ], g, p]
-        src = self._recover_nulls(gid, occ, g, p, lambda i: slots[i])
+        src = self._recover_nulls(gid, occ, g, p, slots.__getitem__)
         c = Candidates(occ, g, p, phase1, pair, src)
         d = decide(c, k, self.G, self.gpu_pool.key, self.in_flight, self.cpu_pool.first_of, self.cpu_pool.key,
-                   self.cpu_pool.free.peek_head, self.cpu_pool.free.count, True)
+                   self.cpu_pool.free.peek_head, self.cpu_pool.free.count, True, self._scratch)
         self._commit_selection(d.src, batch)
         cut = d.cut
         if cut < k:
-            st.cursor[sl[:cut]] += d.advance[:cut]
+            st.cursor.index_put_((sl[:cut],), d.advance[:cut], accumulate=True)
         else:
-            st.cursor[sl] += d.advance
-        for i, n in enumerate(d.per_occ):
-            if n:
-                batch.req_ids.append(scan[i][0])
+            st.cursor.index_put_((sl,), d.advance, accumulate=True)
+        batch.req_ids.extend(map(rids.__getitem__, d.occ_with_selection))
         return cut
 
     def _recover_nulls(self, gid: torch.Tensor, occ: torch.Tensor, g: torch.Tensor, p: torch.Tensor,
@@ -342,7 +371,7 @@ class TensorOffloadScheduler:
         for i, gg, pp in zip(occ[null].tolist(), g[null].tolist(), p[null].tolist(), strict=True):
             hids = self.stores.sync_hids(slot_of_occ(i))
             kids.append(hids[pp] * self.G + gg if pp < len(hids) else -1)
-        found = self.gpu_pool.first_of(torch.tensor(kids, dtype=torch.int64, device=self.device))
+        found = self.gpu_pool.first_of(int_tensor(kids, self.device))
         src = gid.clone()
         src[null] = found
         return src
@@ -376,11 +405,11 @@ class TensorOffloadScheduler:
         padded = torch.zeros((self.G, width), dtype=torch.int64, device=self.device)
         for gg, ids in enumerate(block_ids):
             if ids:
-                padded[gg, : len(ids)] = torch.tensor(ids, dtype=torch.int64, device=self.device)
+                padded[gg, : len(ids)] = int_tensor(ids, self.device)
         src = self._recover_nulls(padded[g, p], occ, g, p, lambda i: slot)
         d = decide(Candidates(occ, g, p, phase1, pair, src), 1, self.G, self.gpu_pool.key, self.in_flight,
                    self.cpu_pool.first_of, self.cpu_pool.key, self.cpu_pool.free.peek_head,
-                   self.cpu_pool.free.count, False)
+                   self.cpu_pool.free.count, False, self._scratch)
         return d.src
 
     # -- lazy ------------------------------------------------------------------------------------------
@@ -515,7 +544,7 @@ class TensorOffloadScheduler:
         s = self.stores.slot_of.get(rid)
         if s is not None and not self.lazy_mode:
             if self.stores.events[s]:
-                self.stores.finished[s] = True
+                self.stores.mark_finished(s)
             else:
                 self._cleanup_store(rid)
         self.policy.on_request_finished(rid)

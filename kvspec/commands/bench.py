@@ -1,0 +1,409 @@
+"""``kvspec bench``: planning and completion time of the implementation against the model.
+
+Three workloads, each driven straight through the target interface (no engine model,
+so that only the offload manager's own work is timed):
+
+* ``chat``: shared-prefix chat. Requests come in families of 8 that share the first
+  half of their prompt (the same GPU blocks, as a GPU prefix-cache hit gives them);
+  chunked prefill confirms one block per request per step.
+* ``decode``: long-context decode. Prompts are computed and already stored; every
+  request decodes one token per step, at staggered offsets, so about
+  ``requests / block_size`` blocks become storable per step.
+* ``storm``: eviction storm. The CPU pool starts full of cached entries and is smaller
+  than the working set, so every block stored evicts one (entries of running requests
+  included: the ``repair`` policy then re-stores, ``signal-rescan`` rescans).
+
+Per (workload, scale, target) it reports the median over runs (fresh target each run)
+of the median per-step time of ``build_connector_meta`` (plan) and
+``update_connector_output`` (complete, the previous step's store event reported
+done), and bookkeeping memory per block. ``impl`` and ``model`` run in the same
+process, interleaved, so their ratio is like for like. Timings are measurements, not
+assertions. Progress goes to stderr; ``--json`` prints one object per line.
+
+A payload micro-benchmark (``--payload``) compares the implementation's batched block
+copy with one plain ``copy_`` of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import tracemalloc
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvspec.errors import ConfigError
+from kvspec.interfaces import (
+    CachedRequestData,
+    KVConnectorOutput,
+    NewRequestData,
+    OffloadConfig,
+    SchedulerOutput,
+)
+
+NAME = "bench"
+HELP = "time planning (build_connector_meta) and completion (update_connector_output): impl vs model"
+
+WORKLOADS = ("chat", "decode", "storm")
+# (requests, blocks per request, CPU blocks)
+GRID = [(64, 16, 1_000), (256, 64, 10_000), (1024, 64, 100_000), (1024, 256, 1_000_000)]
+STORM_GRID = [(256, 16, 10_000), (256, 16, 1_000_000)]
+QUICK_GRID = [(64, 16, 1_000), (256, 16, 10_000)]
+BLOCK_SIZE = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON object per (workload, scale, target)")
+    p.add_argument("--quick", action="store_true", help="small grid, for CI and verify")
+    p.add_argument("--workload", action="append", choices=WORKLOADS, help="only this workload (repeatable)")
+    p.add_argument("--policy", default="baseline", choices=["baseline", "signal-rescan", "repair"])
+    p.add_argument("--target", action="append", default=None,
+                   help="impl, model or vllm (repeatable; default: impl and model)")
+    p.add_argument("--runs", type=int, default=5, help="runs per point (default 5, at least 5 counted)")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per run (default 8)")
+    p.add_argument("--scale", action="append", default=None, metavar="R,BPR,CPU",
+                   help="only this scale, e.g. 1024,64,100000 (repeatable)")
+    p.add_argument("--payload", action="store_true", help="also run the payload copy micro-benchmark")
+    p.add_argument("--device", default="cpu", help="device for the implementation (default cpu)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+
+
+# -- requests and the driver -------------------------------------------------------------------------
+
+
+class BenchRequest:
+    """The ``RequestView`` the manager reads."""
+
+    __slots__ = ("block_hashes", "num_computed_tokens", "num_output_placeholders", "request_id",
+                 "skip_reading_prefix_cache", "total")
+
+    def __init__(self, rid: str, hashes: list[str], total: int) -> None:
+        self.request_id = rid
+        self.block_hashes = hashes
+        self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.skip_reading_prefix_cache = False
+        self.total = total
+
+    @property
+    def num_tokens(self) -> int:
+        return self.total
+
+
+@dataclass
+class Scale:
+    requests: int
+    blocks_per_request: int
+    cpu_blocks: int
+
+
+def _register(pool: Any, keys: list[tuple[str, int]], blocks: list[int]) -> None:
+    """Give GPU/CPU blocks their keys; in one batch where the pool offers it."""
+    if hasattr(pool, "register_many") and hasattr(pool, "keys"):
+        import torch
+
+        kids = torch.tensor([pool.keys.key_id(k) for k in keys], dtype=torch.int64, device=pool.device)
+        pool.register_many(kids, torch.tensor(blocks, dtype=torch.int64, device=pool.device))
+    else:
+        for k, b in zip(keys, blocks, strict=True):
+            pool.insert_block_hash(k, b)
+
+
+class Driver:
+    """Builds a workload's requests, then runs steps and times the two manager calls."""
+
+    def __init__(self, target: Any, workload: str, scale: Scale) -> None:
+        self.t = target
+        self.w = workload
+        self.s = scale
+        self.B = target.config.block_size
+        self.reqs: list[BenchRequest] = []
+        self.tables: list[list[int]] = []
+        self.last_event = -1
+        self.step_no = 0
+        self.extra_blocks: list[int] = []
+
+    def setup(self) -> None:
+        s, B, gpu = self.s, self.B, self.t.gpu_pool
+        if self.w == "storm":
+            self._fill_cpu()
+        R, P = s.requests, s.blocks_per_request
+        grow = 2 if self.w == "decode" else 0
+        shared: dict[int, list[int]] = {}
+        keys: list[tuple[str, int]] = []
+        kblocks: list[int] = []
+        for r in range(R):
+            fam = r // 8
+            if self.w == "chat":
+                half = P // 2
+                hashes = [f"f{fam}-{i}" for i in range(half)] + [f"r{r}-{i}" for i in range(half, P)]
+            else:
+                hashes = [f"r{r}-{i}" for i in range(P)]
+            extra = r % B if self.w == "decode" else 0
+            total = P * B + extra + (grow * B if self.w == "decode" else 0)
+            req = BenchRequest(f"req{r}", hashes[:], total)
+            half = P // 2 if self.w == "chat" else 0
+            if half and fam in shared:  # a GPU prefix-cache hit on the family's first request
+                prefix = shared[fam]
+                gpu.touch(prefix)
+                table = prefix + gpu.get_new_blocks(P - half + grow)
+                own = range(half, P)
+            else:
+                table = gpu.get_new_blocks(P + grow)
+                shared[fam] = table[:half]
+                own = range(P)
+            keys += [(hashes[i], 0) for i in own]
+            kblocks += [table[i] for i in own]
+            req.num_computed_tokens = P * B + extra if self.w == "decode" else 0
+            self.reqs.append(req)
+            self.tables.append(table)
+        _register(gpu, keys, kblocks)
+        for req, table in zip(self.reqs, self.tables, strict=True):
+            self.t.update_state_after_alloc(req, (list(table),), 0)
+        out = SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData(r.request_id, (list(t),)) for r, t in
+                                zip(self.reqs, self.tables, strict=True)],
+            num_scheduled_tokens={r.request_id: 1 for r in self.reqs},
+        )
+        if self.w == "decode":  # the prompt is computed: store it all now (untimed)
+            self._settle(self.t.build_connector_meta(out))
+        else:
+            self.t.build_connector_meta(out)
+        payload = getattr(self.t, "payload", None)
+        if payload is not None:
+            payload.flush()
+
+    def _fill_cpu(self) -> None:
+        """Fill the CPU pool with cached filler entries (free, hashed), as finished requests leave it."""
+        cpu = self.t.cpu_pool
+        n = cpu.get_num_free_blocks()
+        blocks = cpu.get_new_blocks(n)
+        _register(cpu, [(f"old-{i}", 0) for i in range(n)], blocks)
+        cpu.free_blocks(blocks)
+
+    def _settle(self, meta: Any) -> None:
+        if meta.store_event >= 0:
+            self.t.update_connector_output(KVConnectorOutput(
+                completed_store_events={meta.store_event: self.t.config.world_size}))
+
+    def step(self) -> tuple[float, float]:
+        """One step: plan (timed), advance tokens, report the previous store event (timed)."""
+        B = self.B
+        ids, new_ids, sched = [], [], {}
+        if self.w == "decode":
+            for r in self.reqs:
+                ids.append(r.request_id)
+                new_ids.append(None)
+                sched[r.request_id] = 1
+        else:
+            for r in self.reqs:
+                if r.num_computed_tokens < r.total:
+                    ids.append(r.request_id)
+                    new_ids.append(None)
+                    sched[r.request_id] = B
+        out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(ids, new_ids), num_scheduled_tokens=sched)
+        t0 = time.perf_counter()
+        meta = self.t.build_connector_meta(out)
+        t1 = time.perf_counter()
+        for r in self.reqs:
+            n = sched.get(r.request_id, 0)
+            r.num_computed_tokens = min(r.total, r.num_computed_tokens + n)
+            if self.w == "decode" and r.num_computed_tokens % B == 0:
+                p = r.num_computed_tokens // B - 1
+                if p >= len(r.block_hashes):
+                    h = f"{r.request_id}-d{p}"
+                    r.block_hashes.append(h)
+                    table = self.tables[int(r.request_id[3:])]
+                    if p < len(table):
+                        self.t.gpu_pool.insert_block_hash((h, 0), table[p])
+        done = {}
+        if self.last_event >= 0:
+            done = {self.last_event: self.t.config.world_size}
+        t2 = time.perf_counter()
+        self.t.update_connector_output(KVConnectorOutput(completed_store_events=done))
+        t3 = time.perf_counter()
+        self.last_event = meta.store_event
+        self.step_no += 1
+        return t1 - t0, t3 - t2
+
+
+def _config(workload: str, scale: Scale, policy: str) -> OffloadConfig:
+    grow = 2 if workload == "decode" else 0
+    gpu = scale.requests * (scale.blocks_per_request + grow) + 16
+    cpu = scale.cpu_blocks
+    return OffloadConfig(block_size=BLOCK_SIZE, num_gpu_blocks=gpu, num_cpu_blocks=cpu, policy=policy,
+                         max_num_batched_tokens=2048)
+
+
+def _factory(name: str, device: str) -> Any:
+    if name == "impl":
+        from kvspec.impl import make_scheduler
+
+        return lambda cfg: make_scheduler(cfg, device=device)
+    from kvspec.targets import get_factory
+
+    return get_factory(name)
+
+
+def _bookkeeping_bytes(name: str, factory: Any, cfg: OffloadConfig, workload: str, scale: Scale) -> float:
+    """Bytes per block (GPU + CPU blocks) of the target's own state after setup, payloads excluded."""
+    gc.collect()
+    tracemalloc.start()
+    target = factory(cfg)
+    Driver(target, workload, scale).setup()
+    py_bytes, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    tensor_bytes = 0
+    if hasattr(target, "memory_bytes"):
+        tensor_bytes = sum(target.memory_bytes().values())
+    del target
+    return (py_bytes + tensor_bytes) / (cfg.num_gpu_blocks + cfg.num_cpu_blocks)
+
+
+def measure(workload: str, scale: Scale, targets: list[str], policy: str, runs: int, steps: int,
+            device: str, progress: Any) -> list[dict[str, Any]]:
+    cfg = _config(workload, scale, policy)
+    factories = {name: _factory(name, device) for name in targets}
+    plans: dict[str, list[float]] = {n: [] for n in targets}
+    completes: dict[str, list[float]] = {n: [] for n in targets}
+    for run in range(runs):
+        for name in targets:
+            progress(f"{workload} R={scale.requests} BPR={scale.blocks_per_request} CPU={scale.cpu_blocks} "
+                     f"{name} run {run + 1}/{runs}")
+            target = factories[name](cfg)
+            d = Driver(target, workload, scale)
+            d.setup()
+            d.step()  # warm-up
+            pl, co = [], []
+            gc.disable()
+            try:
+                for _ in range(steps):
+                    a, b = d.step()
+                    pl.append(a)
+                    co.append(b)
+            finally:
+                gc.enable()
+            plans[name].append(statistics.median(pl))
+            completes[name].append(statistics.median(co))
+            del target, d
+    rows = []
+    for name in targets:
+        rows.append({
+            "workload": workload, "requests": scale.requests, "blocks_per_request": scale.blocks_per_request,
+            "cpu_blocks": scale.cpu_blocks, "target": name, "policy": policy, "runs": runs, "steps": steps,
+            "plan_ms_median": 1e3 * statistics.median(plans[name]),
+            "complete_ms_median": 1e3 * statistics.median(completes[name]),
+            "bytes_per_block": round(_bookkeeping_bytes(name, factories[name], cfg, workload, scale), 1),
+        })
+    ref = next((r for r in rows if r["target"] == "model"), None)
+    for r in rows:
+        if ref is not None and r is not ref:
+            r["plan_ratio_vs_model"] = r["plan_ms_median"] / ref["plan_ms_median"] if ref["plan_ms_median"] else None
+            r["complete_ratio_vs_model"] = (r["complete_ms_median"] / ref["complete_ms_median"]
+                                            if ref["complete_ms_median"] else None)
+    return rows
+
+
+def payload_bench(device: str, runs: int) -> dict[str, Any]:
+    """Batched block copy (scattered ids) vs one plain copy_ of the same bytes; GB/s, medians."""
+    import torch
+
+    from kvspec.impl.payload import copy_blocks
+
+    n_blocks, shape = 4096, (2, 16, 8, 64)  # 32 KiB per block in float16, 128 MiB per copy
+    src = torch.randn((n_blocks, *shape), device=device).to(torch.float16)
+    dst = torch.zeros_like(src, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    src_ids = torch.randperm(n_blocks, generator=g)[: n_blocks // 2].to(device)
+    dst_ids = torch.randperm(n_blocks, generator=g)[: n_blocks // 2]
+    flat_src = src[: n_blocks // 2].clone()
+    flat_dst = dst[: n_blocks // 2].clone()
+    nbytes = flat_src.numel() * flat_src.element_size()
+
+    def sync() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    def timed(fn: Any) -> float:
+        out = []
+        for _ in range(max(5, runs)):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    plain = timed(lambda: flat_dst.copy_(flat_src))
+    batched = timed(lambda: copy_blocks(dst, dst_ids, src, src_ids))
+    assert torch.equal(dst[dst_ids], src[src_ids].cpu())
+    return {"workload": "payload-copy", "device": device, "blocks": n_blocks // 2, "bytes": nbytes,
+            "plain_gbps": nbytes / plain / 1e9, "batched_gbps": nbytes / batched / 1e9,
+            "throughput_ratio": plain / batched}
+
+
+def run(args: argparse.Namespace) -> int:
+    targets = args.target or ["impl", "model"]
+    for name in targets:
+        if name not in ("impl", "model", "vllm"):
+            raise ConfigError(f"unknown bench target {name!r}; known: impl, model, vllm")
+    if "vllm" in targets:
+        try:
+            from kvspec.targets import get_factory
+
+            get_factory("vllm")(replace(OffloadConfig(), policy="baseline"))
+        except Exception as exc:  # missing vLLM or its dependencies
+            print(f"kvspec bench: target vllm is unavailable here ({exc}); run it in the vLLM venv "
+                  "(scripts/setup-vllm-venv.sh)", file=sys.stderr)
+            return 2
+        if args.policy != "baseline":
+            raise ConfigError("vLLM implements only the baseline policy")
+    runs = max(5, args.runs)
+    import torch
+
+    torch.set_num_threads(max(1, args.threads))
+    workloads = args.workload or list(WORKLOADS)
+    if args.scale:
+        grid = [tuple(int(x) for x in s.split(",")) for s in args.scale]
+    else:
+        grid = QUICK_GRID if args.quick else GRID
+    steps = min(args.steps, 4) if args.quick else args.steps
+    started = time.monotonic()
+
+    def progress(msg: str) -> None:
+        print(f"[bench {time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    rows: list[dict[str, Any]] = []
+    for workload in workloads:
+        points = grid
+        if workload == "storm" and not args.scale:
+            points = QUICK_GRID if args.quick else STORM_GRID
+        for r, bpr, cpu in points:
+            for row in measure(workload, Scale(r, bpr, cpu), targets, args.policy, runs, steps, args.device,
+                               progress):
+                rows.append(row)
+                _emit(row, args.json)
+    if args.payload:
+        row = payload_bench(args.device, runs)
+        rows.append(row)
+        _emit(row, args.json)
+    return 0
+
+
+def _emit(row: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(row), flush=True)
+        return
+    if row["workload"] == "payload-copy":
+        print(f"payload copy ({row['device']}): plain {row['plain_gbps']:.2f} GB/s, batched "
+              f"{row['batched_gbps']:.2f} GB/s, ratio {row['throughput_ratio']:.2f}", flush=True)
+        return
+    ratio = row.get("plan_ratio_vs_model")
+    extra = f"  plan x{1 / ratio:.1f} faster than model" if ratio else ""
+    print(f"{row['workload']:6} R={row['requests']:5} BPR={row['blocks_per_request']:4} CPU={row['cpu_blocks']:8} "
+          f"{row['target']:5} plan {row['plan_ms_median']:8.3f} ms  complete {row['complete_ms_median']:8.3f} ms  "
+          f"{row['bytes_per_block']:7.1f} B/block{extra}", flush=True)
