@@ -195,6 +195,22 @@ def test_random_configurations_agree(tmp_path: Path) -> None:
     assert tally.ops == 2 * TRACES * 200
 
 
+# -- the Hypothesis state machine: vLLM as target, the model as reference ---------------------------------
+
+
+if VLLM_OK:
+    from kvspec.harness import make_state_machine
+
+    _VllmMachine = make_state_machine(_vllm_factory, reference=make_scheduler, policy="baseline",
+                                      trace_dir=os.environ.get("KVSPEC_VLLM_TRACE_DIR"))
+    # Hypothesis drives vLLM; after every step the snapshots must equal the model's and the
+    # baseline's claimed invariants must hold. A failure is shrunk and written as a trace.
+    TestVllmStateMachine = pytest.mark.vllm(_VllmMachine.TestCase)
+    _VllmLazyMachine = make_state_machine(_vllm_factory, reference=make_scheduler, policy="baseline", lazy=True,
+                                          trace_dir=os.environ.get("KVSPEC_VLLM_TRACE_DIR"))
+    TestVllmLazyStateMachine = pytest.mark.vllm(_VllmLazyMachine.TestCase)
+
+
 # -- the comparison can fail -----------------------------------------------------------------------
 
 
