@@ -270,6 +270,8 @@ class _Mirror:
 
 def _tokens_of(view: RequestView) -> list[int] | None:
     tokens = getattr(view, "all_tokens", None)
+    if tokens is None:
+        tokens = getattr(view, "tokens", None)
     return list(tokens) if tokens is not None else None
 
 
