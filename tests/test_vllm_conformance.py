@@ -448,6 +448,49 @@ def test_bad_input_is_rejected_alike_and_changes_nothing(name: str) -> None:
     assert checked > 100
 
 
+# -- where the model is stricter than vLLM ----------------------------------------------------------------
+
+_WINDOW_OF_ONE = [
+    {"op": "add", "rid": "A", "family": 0, "prompt_len": 9, "max_tokens": 1},
+    {"op": "step", "admit": ["A"], "chunk": 64},
+    {"op": "finish", "rid": "A"},
+    {"op": "step", "admit": []},
+    {"op": "report", "event": 0, "count": 1},
+    {"op": "add", "rid": "B", "family": 1, "prompt_len": 20, "max_tokens": 1},
+    {"op": "step", "admit": ["B"], "chunk": 64},
+    {"op": "finish", "rid": "B"},
+    {"op": "step", "admit": []},
+    {"op": "report", "event": 1, "count": 1},
+    {"op": "add", "rid": "C", "family": 0, "prompt_len": 9, "max_tokens": 1},
+    {"op": "step", "admit": ["C"]},
+]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
+def test_a_window_of_one_token_makes_vllm_load_into_the_null_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a 1-token sliding window the CPU hit keeps one block at a position the allocator
+    fills with the null block; vLLM registers a load into block 0, the model refuses it
+    (and so does the adapter, which applies the model's check first)."""
+    from kvspec.errors import InvalidOperationError
+    from kvspec.vllm_adapter import VllmTarget
+
+    config = _cfg(block_size=4, num_gpu_blocks=12, num_cpu_blocks=16, groups=(KVGroup(), KVGroup("sliding", 1)))
+    for factory in (make_scheduler, _vllm_factory):
+        engine = Engine(factory(config))
+        for op in _WINDOW_OF_ONE[:-1]:
+            engine.apply(op)
+        with pytest.raises(InvalidOperationError, match="no allocated GPU block"):
+            engine.apply(_WINDOW_OF_ONE[-1])
+    monkeypatch.setattr(VllmTarget, "_check_load", lambda *args: None)
+    engine = Engine(_vllm_factory(config))
+    for op in _WINDOW_OF_ONE:
+        meta = engine.apply(op)
+    assert 0 in meta.load_gpu_blocks
+    pairs = dict(zip(meta.load_gpu_blocks, meta.load_cpu_blocks, strict=True))
+    assert engine.target.snapshot()["scheduler"]["reqs_to_load"]["C"]["gpu"][-1] == 0, pairs
+
+
 # -- the adapter itself ------------------------------------------------------------------------------
 
 
