@@ -73,8 +73,9 @@ class TensorBlockPool:
         blocks = self.free.pop_head(n)
         kids = self.key[blocks]
         hashed = kids >= 0
-        ev_b, ev_k = blocks[hashed], kids[hashed]
-        if ev_b.numel():
+        ev_b = ev_k = blocks[:0]
+        if bool(hashed.any()):
+            ev_b, ev_k = blocks[hashed], kids[hashed]
             self.index.remove_many(ev_b, ev_k)
             self.key[ev_b] = -1
             if self.record_evictions:
@@ -88,8 +89,9 @@ class TensorBlockPool:
         """+1 per listing; blocks at ref 0 leave the free queue."""
         if ids.numel() == 0:
             return
-        zero = ids[self.ref[ids] == 0]
-        if zero.numel():
+        at_zero = self.ref[ids] == 0
+        if bool(at_zero.any()):
+            zero = ids[at_zero]
             self.free.remove(torch.unique(zero) if zero.numel() > 1 else zero)
         self.ref.index_add_(0, ids, torch.ones_like(ids))
 

@@ -50,6 +50,9 @@ class FreeList:
         """The first ``n`` live ids at or after ring slot ``start`` and the slot after the last."""
         if n <= 0:
             return self.ring[:0], start
+        head = self.ring[start : start + n]
+        if head.numel() == n and bool((head >= 0).all()):
+            return head.clone(), start + n
         width = n
         while True:
             end = min(self.t, start + width)

@@ -49,26 +49,55 @@ def expected_payload(block_hash: str, block_shape: tuple[int, ...] = (2, 8),
     return _payload_from_seeds(torch.tensor([seed_of(block_hash)], dtype=torch.int64), block_shape, dtype)[0]
 
 
+def _as_words(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes, one row per block, in the widest element type that divides a row."""
+    rows = t.view(t.shape[0], -1)
+    nbytes = rows.shape[1] * rows.element_size()
+    for dt, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if nbytes % size == 0 and rows.element_size() <= size:
+            try:
+                return rows.view(dt)
+            except RuntimeError:
+                break
+    return rows
+
+
 def copy_blocks(dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor, src_ids: torch.Tensor) -> None:
-    """``dst[dst_ids] = src[src_ids]`` for distinct ``dst_ids``, as few passes over the bytes as possible."""
+    """``dst[dst_ids] = src[src_ids]`` for distinct ``dst_ids``, in as few passes over the bytes as possible.
+
+    Runs of consecutive ids on both sides become slice copies. What remains is copied
+    block by block when a block is large (one memcpy each, so one pass over the bytes;
+    on CPU this beats a gather plus a scatter from 16 KiB per block up), else gathered
+    and scattered as 64-bit words in cache-sized chunks.
+    """
     n = dst_ids.numel()
     if n == 0:
         return
+    row = src[0].numel() * src.element_size()
+    same_device = src.device == dst.device
     if n > 1:
         step = torch.ones(n, dtype=torch.bool, device=dst_ids.device)
-        step[1:] = (dst_ids[1:] != dst_ids[:-1] + 1) | (src_ids[1:] != src_ids[:-1] + 1)
+        sid = src_ids.to(dst_ids.device)
+        step[1:] = (dst_ids[1:] != dst_ids[:-1] + 1) | (sid[1:] != sid[:-1] + 1)
         starts = step.nonzero().flatten()
-        if starts.numel() * 8 <= n:  # long runs: slice copies
-            ends = torch.cat([starts[1:], starts.new_tensor([n])])
-            for s, e, d0, s0 in zip(starts.tolist(), ends.tolist(), dst_ids[starts].tolist(),
-                                    src_ids[starts].tolist(), strict=True):
-                dst[d0 : d0 + e - s].copy_(src[s0 : s0 + e - s], non_blocking=True)
-            return
-    row = max(1, src[0].numel() * src.element_size())
-    per = max(1, CHUNK_BYTES // row)
+        runs = starts.numel()
+    else:
+        starts, runs = None, 1
+    per_block = same_device and src.device.type == "cpu" and row >= (16 << 10)
+    if runs * 8 <= n or per_block:
+        if starts is None:
+            starts = torch.zeros(1, dtype=torch.int64)
+        ends = torch.cat([starts[1:], starts.new_tensor([n])]).tolist()
+        lens = [e - s for s, e in zip(starts.tolist(), ends, strict=True)]
+        d0s, s0s = dst_ids[starts].tolist(), src_ids[starts].tolist()
+        torch._foreach_copy_([dst[d : d + m] for d, m in zip(d0s, lens, strict=True)],
+                             [src[s : s + m] for s, m in zip(s0s, lens, strict=True)], non_blocking=True)
+        return
+    dw, sw = _as_words(dst), _as_words(src)
+    per = max(1, CHUNK_BYTES // max(1, row))
     for s in range(0, n, per):
-        rows = src.index_select(0, src_ids[s : s + per].to(src.device))
-        dst.index_copy_(0, dst_ids[s : s + per].to(dst.device), rows.to(dst.device, non_blocking=True))
+        rows = sw.index_select(0, src_ids[s : s + per].to(src.device))
+        dw.index_copy_(0, dst_ids[s : s + per].to(dst.device), rows.to(dst.device, non_blocking=True))
 
 
 class PayloadStore:

@@ -47,6 +47,8 @@ class Candidates:
     phase1: torch.Tensor  # True: [cursor, ready) (moves the cursor); False: rescan of [0, cursor)
     pair: torch.Tensor  # occ * G + g
     src: torch.Tensor  # GPU block to store (-1: null and not recoverable)
+    has_nulls: bool = True  # False when no position held the null block
+    n1: torch.Tensor | None = None  # [k, G] positions in [cursor, ready) (set by the plain layout)
 
 
 @dataclass
@@ -66,7 +68,7 @@ def layout(cur: torch.Tensor, ready: torch.Tensor, rescan: bool) -> tuple[torch.
         if m == 0:
             return None
         occ, g, j = (torch.arange(m, device=cur.device) < n1.unsqueeze(-1)).nonzero(as_tuple=True)
-        return occ, g, cur[occ, g] + j, None, occ * G + g
+        return occ, g, cur[occ, g] + j, None, occ * G + g, n1
     n0 = torch.minimum(cur, ready).clamp(min=0)
     cnt = (n0 + n1).flatten()
     total = int(cnt.sum())
@@ -79,30 +81,34 @@ def layout(cur: torch.Tensor, ready: torch.Tensor, rescan: bool) -> tuple[torch.
     n0f = n0.flatten()[pair]
     phase1 = local >= n0f
     p = torch.where(phase1, cur.flatten()[pair] + local - n0f, local)
-    return pair // G, pair % G, p, phase1, pair
+    return pair // G, pair % G, p, phase1, pair, None
 
 
 def decide(c: Candidates, k: int, G: int, gpu_key: torch.Tensor, in_flight: torch.Tensor,
            cpu_first_of: Callable[[torch.Tensor], torch.Tensor], cpu_key: torch.Tensor,
            peek_cpu_head: Callable[[int], torch.Tensor], free0: int, cross_request: bool,
            scratch: torch.Tensor) -> Decision:
-    """``scratch``: an int64 tensor over the GPU blocks, all ``BIG``; left as found."""
+    """``scratch``: an int64 tensor over the GPU blocks plus one stamp slot, zeros at first."""
     dev = c.src.device
     n = c.src.numel()
-    src = c.src.clamp(min=0)
-    key = gpu_key[src]
-    if bool((c.src <= 0).any()):
-        key = torch.where(c.src > 0, key, -1)
-    movable = (key >= 0) & ~in_flight[src]
-    cached = cpu_first_of(key) >= 0
-    ready = movable & ~cached
+    if c.has_nulls:
+        src = c.src.clamp(min=0)
+        key = torch.where(c.src > 0, gpu_key[src], -1)
+    else:
+        src = c.src
+        key = gpu_key[src]
+    movable = (key >= 0) > in_flight[src]  # hashed and not in flight
+    cached = cpu_first_of(key) >= 0  # key -1 reads the index's sentinel slot
+    ready = movable > cached
     already = movable & cached
     if cross_request and k > 1:
-        # first request that has each block READY; later requests see it in flight
-        rs, ro = src[ready], c.occ[ready]
-        scratch.scatter_reduce_(0, rs, ro, reduce="amin")
-        late = ro > scratch[rs]
-        scratch[rs] = BIG
+        # the first request that has a block READY takes it; later ones see it in flight.
+        # scratch[b] = stamp - (first request): stamps grow per call, so no reset is needed
+        stamp = int(scratch[-1]) + k + 1
+        scratch[-1] = stamp
+        rs, ro = src[ready], stamp - c.occ[ready]
+        scratch.scatter_reduce_(0, rs, ro, reduce="amax")
+        late = ro < scratch[rs]
         if bool(late.any()):
             ready[ready.nonzero().flatten()[late]] = False
     cum = torch.cumsum(ready, 0)
@@ -128,14 +134,12 @@ def decide(c: Candidates, k: int, G: int, gpu_key: torch.Tensor, in_flight: torc
             if bool(danger.any()):
                 cut = int(c.occ[ai[danger]].min())
     if total < free0 and cut == k:  # everything fits: every position passed, every READY taken
-        chosen = ready.nonzero().flatten()
-        advance = torch.zeros(k * G, dtype=torch.int64, device=dev)
-        if c.phase1 is None:
-            advance.scatter_add_(0, c.pair, torch.ones_like(c.pair))
+        if c.n1 is not None:
+            advance = c.n1
         else:
-            advance.scatter_add_(0, c.pair, c.phase1.to(torch.int64))
-        return Decision(c.src[chosen], advance.view(k, G),
-                        torch.unique_consecutive(c.occ[chosen]).tolist(), cut)
+            advance = torch.zeros(k * G, dtype=torch.int64, device=dev)
+            advance.scatter_add_(0, c.pair, c.phase1.to(torch.int64)).view(k, G)
+        return Decision(c.src[ready], advance.view(k, G), torch.unique_consecutive(c.occ[ready]).tolist(), cut)
     phase1 = c.phase1 if c.phase1 is not None else torch.ones(n, dtype=torch.bool, device=dev)
     sel = ready & (cum <= free0)
     stop = ready & ~sel

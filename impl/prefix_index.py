@@ -36,11 +36,12 @@ class PrefixIndex:
         self.num_keys = 0
 
     def ensure(self, key_capacity: int) -> None:
-        """Make room for key ids below ``key_capacity``."""
+        """Make room for key ids below ``key_capacity``. The last slot is never a key's, so
+        ``first[-1]`` (a gather at key id -1) reads -1."""
         cap = self.first.numel()
-        if key_capacity <= cap:
+        if key_capacity < cap:
             return
-        new = max(key_capacity, 2 * cap)
+        new = max(key_capacity + 1, 2 * cap)
         pad = new - cap
         self.first = torch.cat([self.first, self.first.new_full((pad,), -1)])
         self.last = torch.cat([self.last, self.last.new_full((pad,), -1)])
@@ -50,12 +51,16 @@ class PrefixIndex:
 
     def first_of(self, kids: torch.Tensor) -> torch.Tensor:
         """First block per key id (-1 where the key is absent or the id is -1 / unknown)."""
-        ok = (kids >= 0) & (kids < self.first.numel())
-        safe = torch.where(ok, kids, 0)
-        return torch.where(ok, self.first[safe], -1)
+        if kids.numel() and int(kids.max()) >= self.first.numel() - 1:
+            self.ensure(int(kids.max()) + 1)
+        return self.first[kids]
+
+    def first_known(self, kids: torch.Tensor) -> torch.Tensor:
+        """``first_of`` for key ids below the capacity ``ensure`` was given (or -1): one gather."""
+        return self.first[kids]
 
     def get_one(self, kid: int) -> int:
-        if kid < 0 or kid >= self.first.numel():
+        if kid < 0 or kid >= self.first.numel() - 1:
             return -1
         return int(self.first[kid])
 

@@ -263,7 +263,7 @@ class RepairPolicy(BaselinePolicy):
                 continue
             scan = list(zip(rids, slots, strict=True))
             idx = int_tensor(slots, s.device)
-            ready = s._ready(slots, s.stores.length[idx])
+            ready = s._ready([s.stores.request[x] for x in slots], s.stores.length[idx])
             busy = ((ready - s.stores.cursor[idx]) > 0).any(dim=1).tolist()
             for (rid, slot), has in zip(scan, busy, strict=True):
                 if not has:

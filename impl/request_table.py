@@ -41,6 +41,7 @@ class StoreTable:
         self.hids: list[list[int]] = []
         self._free_slots: list[int] = []
         self.num_finished = 0  # slots whose request finished with store events pending
+        self.version = 0  # bumped whenever a slot's request or finished flag changes
 
     def __contains__(self, rid: object) -> bool:
         return rid in self.slot_of
@@ -51,6 +52,7 @@ class StoreTable:
     # -- membership ------------------------------------------------------------------------
 
     def add(self, rid: str, request: Any) -> int:
+        self.version += 1
         if self._free_slots:
             s = self._free_slots.pop()
         else:
@@ -75,11 +77,13 @@ class StoreTable:
 
     def mark_finished(self, slot: int) -> None:
         if not self.finished[slot]:
+            self.version += 1
             self.finished[slot] = True
             self.num_finished += 1
 
     def remove(self, rid: str) -> int:
         s = self.slot_of.pop(rid)
+        self.version += 1
         if self.finished[s]:
             self.finished[s] = False
             self.num_finished -= 1

@@ -121,7 +121,9 @@ class TensorOffloadScheduler:
         self.store_event_to_reqs: dict[int, list[str]] = {}
         self.stores = StoreTable(self.G, self.keys, self.device)
         self.in_flight = torch.zeros(config.num_gpu_blocks, dtype=torch.bool, device=self.device)
-        self._scratch = torch.full((config.num_gpu_blocks,), 1 << 62, dtype=torch.int64, device=self.device)
+        self._memo: tuple[list[str], int, list[int]] | None = None
+        self._memo_sl: tuple[torch.Tensor, list[Any]] | None = None
+        self._scratch = torch.zeros(config.num_gpu_blocks + 1, dtype=torch.int64, device=self.device)
         self.load_event_counter = 0
         self.store_event_counter = 0
         self.store_event_pending_counts: dict[int, int] = {}
@@ -217,9 +219,9 @@ class TensorOffloadScheduler:
             batch.cpu.append(t.cpu)
         self.pending_finished_stores.clear()
         meta = ConnectorMetadata(need_flush=bool(out.preempted_req_ids))
-        gpu = torch.cat(batch.gpu) if batch.gpu else None
+        gpu = (batch.gpu[0] if len(batch.gpu) == 1 else torch.cat(batch.gpu)) if batch.gpu else None
         if gpu is not None and gpu.numel():
-            cpu = torch.cat(batch.cpu)
+            cpu = batch.cpu[0] if len(batch.cpu) == 1 else torch.cat(batch.cpu)
             e = self.store_event_counter
             self.store_event_counter += 1
             self.store_events[e] = Xfer(gpu, cpu)
@@ -270,9 +272,8 @@ class TensorOffloadScheduler:
             for rid, cnt in counts.items():
                 check_count(cnt, f"num_scheduled_tokens[{rid}]")
 
-    def _ready(self, slots: list[int], lengths: torch.Tensor) -> torch.Tensor:
+    def _ready(self, reqs: list[Any], lengths: torch.Tensor) -> torch.Tensor:
         """Confirmed full blocks per (request, group): computed minus placeholders, capped at the ids."""
-        reqs = list(map(self.stores.request.__getitem__, slots))
         done = int_tensor(list(map(_COMPUTED, reqs)), self.device)
         if any(map(_PLACEHOLDERS, reqs)):
             done = done - int_tensor(list(map(_PLACEHOLDERS, reqs)), self.device)
@@ -294,12 +295,18 @@ class TensorOffloadScheduler:
             full = [True] * len(new) + [r in cr.resumed_req_ids for r in cr.req_ids]
         else:
             full = [True] * len(new) + [False] * len(cr.req_ids)
+        memo = self._memo
+        if not new and memo is not None and memo[1] == st.version and rids == memo[0]:
+            return [Segment(memo[0], ids, full, memo[2])]  # the same running batch as last step
         slots = list(map(st.slot_of.get, rids))
         if None in slots or st.num_finished:
             fin = st.finished
             keep = [s is not None and not fin[s] for s in slots]
             rids, ids, full, slots = (list(compress(x, keep)) for x in (rids, ids, full, slots))
         if len(set(slots)) == len(slots):
+            if not new:
+                self._memo = (list(rids), st.version, slots)
+                self._memo_sl = None
             return [Segment(rids, ids, full, slots)]
         segs = [Segment([], [], [], [])]
         seen: set[int] = set()
@@ -329,6 +336,8 @@ class TensorOffloadScheduler:
             if app[0]:
                 self.stores.append(*app)
         want = list(map(out.num_scheduled_tokens.get, seg.rids))
+        if all(want):
+            return seg.rids, seg.slots
         return list(compress(seg.rids, want)), list(compress(seg.slots, want))
 
     def plan_scan(self, rids: list[str], slots: list[int], batch: StepBatch, rescan: bool) -> None:
@@ -340,17 +349,25 @@ class TensorOffloadScheduler:
     def _plan_batch(self, rids: list[str], slots: list[int], batch: StepBatch, rescan: bool) -> int:
         st = self.stores
         k = len(slots)
-        sl = int_tensor(slots, self.device)
+        memo = self._memo
+        if memo is not None and slots is memo[2]:
+            if self._memo_sl is None:
+                self._memo_sl = (int_tensor(slots, self.device), list(map(st.request.__getitem__, slots)))
+            sl, reqs = self._memo_sl
+        else:
+            sl, reqs = int_tensor(slots, self.device), list(map(st.request.__getitem__, slots))
         cur = st.cursor[sl]
-        ready = self._ready(slots, st.length[sl])
+        ready = self._ready(reqs, st.length[sl])
         lay = layout(cur, ready, rescan)
         if lay is None:
             return k
-        occ, g, p, phase1, pair = lay
+        occ, g, p, phase1, pair, n1 = lay
         gid = st.table[sl[occ], g, p]
         src = self._recover_nulls(gid, occ, g, p, slots.__getitem__)
-        c = Candidates(occ, g, p, phase1, pair, src)
-        d = decide(c, k, self.G, self.gpu_pool.key, self.in_flight, self.cpu_pool.first_of, self.cpu_pool.key,
+        c = Candidates(occ, g, p, phase1, pair, src, src is not gid, n1)
+        self.cpu_pool.index.ensure(self.keys.key_capacity)
+        d = decide(c, k, self.G, self.gpu_pool.key, self.in_flight, self.cpu_pool.index.first_known,
+                   self.cpu_pool.key,
                    self.cpu_pool.free.peek_head, self.cpu_pool.free.count, True, self._scratch)
         self._commit_selection(d.src, batch)
         cut = d.cut
@@ -396,18 +413,18 @@ class TensorOffloadScheduler:
         st = self.stores
         lengths = torch.tensor([[len(x) for x in block_ids]], dtype=torch.int64, device=self.device)
         cur = st.cursor[slot].view(1, -1)
-        ready = self._ready([slot], lengths)
+        ready = self._ready([self.stores.request[slot]], lengths)
         lay = layout(cur, ready, False)
         if lay is None:
             return self.gpu_pool.empty()
-        occ, g, p, phase1, pair = lay
+        occ, g, p, phase1, pair, n1 = lay
         width = max(1, int(lengths.max()))
         padded = torch.zeros((self.G, width), dtype=torch.int64, device=self.device)
         for gg, ids in enumerate(block_ids):
             if ids:
                 padded[gg, : len(ids)] = int_tensor(ids, self.device)
         src = self._recover_nulls(padded[g, p], occ, g, p, lambda i: slot)
-        d = decide(Candidates(occ, g, p, phase1, pair, src), 1, self.G, self.gpu_pool.key, self.in_flight,
+        d = decide(Candidates(occ, g, p, phase1, pair, src, True, n1), 1, self.G, self.gpu_pool.key, self.in_flight,
                    self.cpu_pool.first_of, self.cpu_pool.key, self.cpu_pool.free.peek_head,
                    self.cpu_pool.free.count, False, self._scratch)
         return d.src
