@@ -68,7 +68,7 @@ def layout(cur: torch.Tensor, ready: torch.Tensor, rescan: bool) -> tuple[torch.
         if m == 0:
             return None
         occ, g, j = (torch.arange(m, device=cur.device) < n1.unsqueeze(-1)).nonzero(as_tuple=True)
-        return occ, g, cur[occ, g] + j, None, occ * G + g, n1
+        return occ, g, cur[occ, g] + j, None, (occ if G == 1 else occ * G + g), n1
     n0 = torch.minimum(cur, ready).clamp(min=0)
     cnt = (n0 + n1).flatten()
     total = int(cnt.sum())
@@ -87,8 +87,9 @@ def layout(cur: torch.Tensor, ready: torch.Tensor, rescan: bool) -> tuple[torch.
 def decide(c: Candidates, k: int, G: int, gpu_key: torch.Tensor, in_flight: torch.Tensor,
            cpu_first_of: Callable[[torch.Tensor], torch.Tensor], cpu_key: torch.Tensor,
            peek_cpu_head: Callable[[int], torch.Tensor], free0: int, cross_request: bool,
-           scratch: torch.Tensor) -> Decision:
-    """``scratch``: an int64 tensor over the GPU blocks plus one stamp slot, zeros at first."""
+           scratch: torch.Tensor, stamp_base: int = 0) -> Decision:
+    """``scratch``: an int64 tensor over the GPU blocks, zeros at first; ``stamp_base``: larger than
+    any stamp of an earlier call (the caller adds ``k + 1`` after each call)."""
     dev = c.src.device
     n = c.src.numel()
     if c.has_nulls:
@@ -101,20 +102,22 @@ def decide(c: Candidates, k: int, G: int, gpu_key: torch.Tensor, in_flight: torc
     cached = cpu_first_of(key) >= 0  # key -1 reads the index's sentinel slot
     ready = movable > cached
     already = movable & cached
-    if cross_request and k > 1:
+    rsel, osel = src[ready], c.occ[ready]
+    if cross_request and k > 1 and rsel.numel() > 1:
         # the first request that has a block READY takes it; later ones see it in flight.
-        # scratch[b] = stamp - (first request): stamps grow per call, so no reset is needed
-        stamp = int(scratch[-1]) + k + 1
-        scratch[-1] = stamp
-        rs, ro = src[ready], stamp - c.occ[ready]
-        scratch.scatter_reduce_(0, rs, ro, reduce="amax")
-        late = ro < scratch[rs]
+        # scratch[b] = stamp - (first request); stamps only grow, so no reset is needed
+        stamp = stamp_base + k + 1
+        ro = stamp - osel
+        scratch.scatter_reduce_(0, rsel, ro, reduce="amax")
+        late = ro < scratch[rsel]
         if bool(late.any()):
             ready[ready.nonzero().flatten()[late]] = False
-    cum = torch.cumsum(ready, 0)
-    total = int(cum[-1])
+            rsel, osel = src[ready], c.occ[ready]
+    total = rsel.numel()
     cut = k
+    cum = None
     if total > 0 and bool(already.any()):
+        cum = torch.cumsum(ready, 0)
         K = min(total, free0)
         popped_keys = cpu_key[peek_cpu_head(K)]
         hk = (popped_keys >= 0).nonzero().flatten()
@@ -139,8 +142,11 @@ def decide(c: Candidates, k: int, G: int, gpu_key: torch.Tensor, in_flight: torc
         else:
             advance = torch.zeros(k * G, dtype=torch.int64, device=dev)
             advance.scatter_add_(0, c.pair, c.phase1.to(torch.int64)).view(k, G)
-        return Decision(c.src[ready], advance.view(k, G), torch.unique_consecutive(c.occ[ready]).tolist(), cut)
+        return Decision(rsel if not c.has_nulls else c.src[ready], advance.view(k, G),
+                        torch.unique_consecutive(osel).tolist(), cut)
     phase1 = c.phase1 if c.phase1 is not None else torch.ones(n, dtype=torch.bool, device=dev)
+    if cum is None:
+        cum = torch.cumsum(ready, 0)
     sel = ready & (cum <= free0)
     stop = ready & ~sel
     idx = torch.arange(n, device=dev)

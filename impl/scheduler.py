@@ -123,7 +123,9 @@ class TensorOffloadScheduler:
         self.in_flight = torch.zeros(config.num_gpu_blocks, dtype=torch.bool, device=self.device)
         self._memo: tuple[list[str], int, list[int]] | None = None
         self._memo_sl: tuple[torch.Tensor, list[Any]] | None = None
-        self._scratch = torch.zeros(config.num_gpu_blocks + 1, dtype=torch.int64, device=self.device)
+        self._scratch = torch.zeros(config.num_gpu_blocks, dtype=torch.int64, device=self.device)
+        self._stamp = 0
+        self._min_scheduled = 0  # smallest num_scheduled_tokens value of the output being planned
         self.load_event_counter = 0
         self.store_event_counter = 0
         self.store_event_pending_counts: dict[int, int] = {}
@@ -268,16 +270,20 @@ class TensorOffloadScheduler:
                     continue
             check_block_ids(ids, G, n, f"scheduler output for {rid}")
         counts = out.num_scheduled_tokens
-        if counts and (set(map(type, counts.values())) != {int} or min(counts.values()) < 0):
-            for rid, cnt in counts.items():
-                check_count(cnt, f"num_scheduled_tokens[{rid}]")
+        self._min_scheduled = 0
+        if counts:
+            low = min(counts.values()) if set(map(type, counts.values())) == {int} else -1
+            if low < 0:
+                for rid, cnt in counts.items():
+                    check_count(cnt, f"num_scheduled_tokens[{rid}]")
+            self._min_scheduled = low
 
     def _ready(self, reqs: list[Any], lengths: torch.Tensor) -> torch.Tensor:
         """Confirmed full blocks per (request, group): computed minus placeholders, capped at the ids."""
         done = int_tensor(list(map(_COMPUTED, reqs)), self.device)
         if any(map(_PLACEHOLDERS, reqs)):
-            done = done - int_tensor(list(map(_PLACEHOLDERS, reqs)), self.device)
-        conf = torch.div(done.clamp(min=0), self.B, rounding_mode="floor")
+            done = (done - int_tensor(list(map(_PLACEHOLDERS, reqs)), self.device)).clamp(min=0)
+        conf = torch.div(done, self.B, rounding_mode="floor")
         return torch.minimum(lengths, conf.view(-1, 1))
 
     def eager_segments(self, out: SchedulerOutput) -> list[Segment]:
@@ -335,7 +341,10 @@ class TensorOffloadScheduler:
                             app[3].extend(gids)
             if app[0]:
                 self.stores.append(*app)
-        want = list(map(out.num_scheduled_tokens.get, seg.rids))
+        sched = out.num_scheduled_tokens
+        if self._min_scheduled > 0 and len(sched) == len(seg.rids) and list(sched) == seg.rids:
+            return seg.rids, seg.slots  # every listed request is scheduled (the usual step)
+        want = list(map(sched.get, seg.rids))
         if all(want):
             return seg.rids, seg.slots
         return list(compress(seg.rids, want)), list(compress(seg.slots, want))
@@ -368,7 +377,8 @@ class TensorOffloadScheduler:
         self.cpu_pool.index.ensure(self.keys.key_capacity)
         d = decide(c, k, self.G, self.gpu_pool.key, self.in_flight, self.cpu_pool.index.first_known,
                    self.cpu_pool.key,
-                   self.cpu_pool.free.peek_head, self.cpu_pool.free.count, True, self._scratch)
+                   self.cpu_pool.free.peek_head, self.cpu_pool.free.count, True, self._scratch, self._stamp)
+        self._stamp += k + 1
         self._commit_selection(d.src, batch)
         cut = d.cut
         if cut < k:
@@ -381,9 +391,9 @@ class TensorOffloadScheduler:
     def _recover_nulls(self, gid: torch.Tensor, occ: torch.Tensor, g: torch.Tensor, p: torch.Tensor,
                        slot_of_occ: Any) -> torch.Tensor:
         """Null entries: the GPU prefix cache's block for the position's key, else -1 (vLLM §7.6)."""
-        null = (gid == 0).nonzero().flatten()
-        if null.numel() == 0:
+        if int(gid.min()) > 0:
             return gid
+        null = (gid == 0).nonzero().flatten()
         kids = []
         for i, gg, pp in zip(occ[null].tolist(), g[null].tolist(), p[null].tolist(), strict=True):
             hids = self.stores.sync_hids(slot_of_occ(i))

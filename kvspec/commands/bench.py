@@ -51,7 +51,7 @@ HELP = "time planning (build_connector_meta) and completion (update_connector_ou
 WORKLOADS = ("chat", "decode", "storm")
 # (requests, blocks per request, CPU blocks)
 GRID = [(64, 16, 1_000), (256, 64, 10_000), (1024, 64, 100_000), (1024, 256, 1_000_000)]
-STORM_GRID = [(256, 16, 10_000), (256, 16, 1_000_000)]
+STORM_GRID = [(256, 16, 10_000), (256, 16, 1_000_000), (1024, 64, 100_000)]
 QUICK_GRID = [(64, 16, 1_000), (256, 16, 10_000)]
 BLOCK_SIZE = 16
 
@@ -113,6 +113,11 @@ def _register(pool: Any, keys: list[tuple[str, int]], blocks: list[int]) -> None
             pool.insert_block_hash(k, b)
 
 
+def _hex(tag: int, i: int) -> str:
+    """A distinct 16-hex-digit block hash per (tag, position) (vLLM's adapter wants hex text)."""
+    return f"{tag:08x}{i:08x}"
+
+
 class Driver:
     """Builds a workload's requests, then runs steps and times the two manager calls."""
 
@@ -140,9 +145,9 @@ class Driver:
             fam = r // 8
             if self.w == "chat":
                 half = P // 2
-                hashes = [f"f{fam}-{i}" for i in range(half)] + [f"r{r}-{i}" for i in range(half, P)]
+                hashes = [_hex(0x80000000 | fam, i) for i in range(half)] + [_hex(r, i) for i in range(half, P)]
             else:
-                hashes = [f"r{r}-{i}" for i in range(P)]
+                hashes = [_hex(r, i) for i in range(P)]
             extra = r % B if self.w == "decode" else 0
             total = P * B + extra + (grow * B if self.w == "decode" else 0)
             req = BenchRequest(f"req{r}", hashes[:], total)
@@ -182,7 +187,7 @@ class Driver:
         cpu = self.t.cpu_pool
         n = cpu.get_num_free_blocks()
         blocks = cpu.get_new_blocks(n)
-        _register(cpu, [(f"old-{i}", 0) for i in range(n)], blocks)
+        _register(cpu, [(_hex(0xFFFFFFFF, i), 0) for i in range(n)], blocks)
         cpu.free_blocks(blocks)
 
     def _settle(self, meta: Any) -> None:
@@ -215,7 +220,7 @@ class Driver:
             if self.w == "decode" and r.num_computed_tokens % B == 0:
                 p = r.num_computed_tokens // B - 1
                 if p >= len(r.block_hashes):
-                    h = f"{r.request_id}-d{p}"
+                    h = _hex(int(r.request_id[3:]), p)
                     r.block_hashes.append(h)
                     table = self.tables[int(r.request_id[3:])]
                     if p < len(table):
