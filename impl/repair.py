@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from kvspec.impl.convert import int_tensor
+from kvspec.impl.planner import layout
 from kvspec.impl.policies import BaselinePolicy
 
 from kvspec.interfaces import RequestView, SchedulerOutput
@@ -60,6 +61,7 @@ class RepairPolicy(BaselinePolicy):
         self.retired: OrderedDict[int, None] = OrderedDict()
         self.windows = [(g.sliding_window if g.kind == "sliding" else 0) for g in sched.config.groups]
         self.sliding_groups = [g for g, w in enumerate(self.windows) if w]
+        self._adv: dict[int, list[int]] = {}  # cursor advances of the batch being committed
 
     # -- ownership -------------------------------------------------------------------------------
 
@@ -81,6 +83,11 @@ class RepairPolicy(BaselinePolicy):
             return None
         return b
 
+    def _cursor(self, slot: int, g: int) -> int:
+        """The slot's cursor, including advances of this batch not yet written to the tensor."""
+        adv = self._adv.get(slot)
+        return int(self.s.stores.cursor[slot, g]) + (adv[g] if adv is not None else 0)
+
     def _table_id(self, slot: int, g: int, p: int) -> int | None:
         st = self.s.stores
         if p >= int(st.length[slot, g]):
@@ -95,7 +102,7 @@ class RepairPolicy(BaselinePolicy):
         for pos in list(owners):
             rid, g, p = pos
             slot = st.slot_of.get(rid)
-            if (slot is None or st.finished[slot] or p >= int(st.cursor[slot, g])
+            if (slot is None or st.finished[slot] or p >= self._cursor(slot, g)
                     or self._owned(slot, g, p, self._table_id(slot, g, p)) is None):
                 del owners[pos]
         if not owners:
@@ -106,8 +113,10 @@ class RepairPolicy(BaselinePolicy):
         return self.in_flight_keys.get(kid, 0) > 0 or self.s.cpu_pool.index.get_one(kid) >= 0
 
     def on_evictions(self, blocks: torch.Tensor, kids: torch.Tensor) -> None:
-        kl = kids.tolist()
-        firsts = self.s.cpu_pool.first_of(kids).tolist()
+        self._record_evictions(kids.tolist(), self.s.cpu_pool.first_of(kids).tolist())
+
+    def _record_evictions(self, kl: list[int], firsts: list[int]) -> None:
+        """Evicted keys (in order) and each key's first remaining CPU block after the allocation."""
         judged = self.judged_cached
         if judged:
             self.self_evictions += sum(1 for k in kl if k in judged)
@@ -251,6 +260,206 @@ class RepairPolicy(BaselinePolicy):
 
     # -- planning --------------------------------------------------------------------------------
 
+    def _scan_batch(self, rids: list[str], slots: list[int], batch: StepBatch) -> int:
+        """Scan requests (distinct slots) in vLLM's order; commit a prefix; return its length.
+
+        One gather gives every candidate position's facts; a Python pass then applies the
+        per-position rules request after request, with this batch's own effects (free count,
+        pins, keys put in flight) tracked locally. Allocations are then simulated on a peek
+        of the CPU free list: the first request whose allocation would evict a key that a
+        later request read, or a block that a later request pins, ends the batch there (the
+        rest is scanned again against the new state). The prefix is committed with one
+        pin, one allocation and one in-flight marking, and its bookkeeping (retirements,
+        owners, loss records, cursors) is applied request by request, in order.
+        """
+        s = self.s
+        st = s.stores
+        G, B = s.G, s.B
+        k = len(slots)
+        dev = s.device
+        sl = int_tensor(slots, dev)
+        reqs = [st.request[x] for x in slots]
+        cur = st.cursor[sl]
+        ready = s._ready(reqs, st.length[sl])
+        cur_l = cur.tolist()
+        lay = layout(cur, ready, False)
+        counts = [0] * k
+        if lay is not None:
+            occ, g_t, p_t = lay[0], lay[1], lay[2]
+            counts = torch.bincount(occ, minlength=k).tolist()
+            gid = st.table[sl[occ], g_t, p_t]
+            for x in slots:
+                st.sync_hids(x)
+            hcount = int_tensor([st.hid_count(x) for x in slots], dev)
+            hrow = st.hid_rows(sl)
+            has = p_t < hcount[occ]
+            want = torch.where(has, hrow[occ, p_t.clamp(max=hrow.shape[1] - 1)] * G + g_t, -2)
+            owned = (gid != 0) & (s.gpu_pool.key[gid] == want) & (s.gpu_pool.ref[gid] >= 1)
+            if self.sliding_groups:
+                comp = int_tensor([r.num_computed_tokens for r in reqs], dev)
+                w = int_tensor(self.windows, dev)[g_t]
+                floor = torch.div((comp[occ] - w + 1).clamp(min=0), B, rounding_mode="floor")
+                owned &= (w == 0) | (p_t >= floor)
+            okey = torch.where(owned, s.gpu_pool.key[gid], -1)
+            s.cpu_pool.index.ensure(s.keys.key_capacity)
+            cblock = s.cpu_pool.index.first_known(okey)
+            cfree = (cblock >= 0) & (s.cpu_pool.ref[cblock.clamp(min=0)] == 0)
+            g_l, p_l, gid_l = g_t.tolist(), p_t.tolist(), gid.tolist()
+            owned_l, okey_l, cblock_l, cfree_l = owned.tolist(), okey.tolist(), cblock.tolist(), cfree.tolist()
+
+        ifk = self.in_flight_keys
+        ifk_batch: dict[int, int] = {}
+        pinned: dict[int, int] = {}  # free CPU block -> the request that pinned it first
+        free_now = s.cpu_pool.free.count
+        plans = []
+        sensitive: dict[int, int] = {}  # key -> last request whose decisions read it
+        i0 = 0
+        for i in range(k):
+            rid, slot = rids[i], slots[i]
+            retire: list[int] = []
+            floors: list[tuple[int, int]] = []
+            for g in self.sliding_groups:
+                req = reqs[i]
+                fl = max(0, req.num_computed_tokens - self.windows[g] + 1) // B
+                fl = min(fl, cur_l[i][g], len(req.block_hashes))
+                start = self.window_floor.get((rid, g), 0)
+                if fl > start:
+                    hids = st.hids[slot]
+                    for p in range(start, fl):
+                        kid = hids[p] * G + g
+                        sensitive[kid] = i
+                        if ifk.get(kid, 0) + ifk_batch.get(kid, 0) > 0 or s.cpu_pool.index.get_one(kid) >= 0:
+                            retire.append(kid)
+                floors.append((g, max(fl, start)))
+            selected: list[int] = []
+            sel_keys: list[int] = []
+            keys: set[int] = set()
+            pins: list[int] = []
+            regs: list[tuple[int, int, int]] = []
+            judged: list[int] = []
+            advance = [0] * G
+            j, end = i0, i0 + counts[i]
+            while j < end:
+                g = g_l[j]
+                while j < end and g_l[j] == g:
+                    if not owned_l[j]:
+                        advance[g] += 1
+                        j += 1
+                        continue
+                    kid = okey_l[j]
+                    sensitive[kid] = i
+                    c = cblock_l[j]
+                    if ifk.get(kid, 0) + ifk_batch.get(kid, 0) > 0 or kid in keys:
+                        kind = 1
+                    elif c >= 0:
+                        kind = 2
+                        if cfree_l[j] and c not in pinned and free_now - 1 < len(selected):
+                            break
+                    else:
+                        kind = 3
+                        if len(selected) >= free_now:
+                            break
+                    advance[g] += 1
+                    regs.append((kid, g, p_l[j]))
+                    if kind == 2:
+                        judged.append(kid)
+                        pins.append(c)
+                        if cfree_l[j] and c not in pinned:
+                            pinned[c] = i
+                            free_now -= 1
+                    elif kind == 3:
+                        selected.append(gid_l[j])
+                        sel_keys.append(kid)
+                        keys.add(kid)
+                    j += 1
+                while j < end and g_l[j] == g:
+                    j += 1
+            i0 = end
+            free_now -= len(selected)
+            for kid in sel_keys:
+                ifk_batch[kid] = ifk_batch.get(kid, 0) + 1
+            plans.append((retire, floors, regs, judged, pins, selected, sel_keys, advance))
+
+        # -- simulate the allocations on the free list; find where the batch must end
+        K_all = sum(len(pl[5]) for pl in plans)
+        cut = k
+        popped_by: list[list[tuple[int, int]]] = [[] for _ in range(k)]
+        if K_all:
+            peek = s.cpu_pool.free.peek_head(K_all + len(pinned))
+            peek_b, peek_k = peek.tolist(), s.cpu_pool.key[peek].tolist()
+            ptr = 0
+            removed: set[int] = set()
+            evicted_at: dict[int, int] = {}
+            for i in range(k):
+                removed.update(c for c in plans[i][4] if pinned.get(c) == i)
+                need = len(plans[i][5])
+                while need:
+                    b, kid = peek_b[ptr], peek_k[ptr]
+                    ptr += 1
+                    if b in removed:
+                        continue
+                    need -= 1
+                    popped_by[i].append((b, kid))
+                    if pinned.get(b, -1) > i:
+                        cut = min(cut, i + 1)
+                    if kid >= 0:
+                        if sensitive.get(kid, -1) > i:
+                            cut = min(cut, i + 1)
+                        if kid in evicted_at:
+                            cut = min(cut, evicted_at[kid] + 1)
+                        evicted_at.setdefault(kid, i)
+                if cut <= i + 1 and cut < k:
+                    break
+        plans = plans[:cut]
+
+        # -- commit the first ``cut`` requests
+        pins_all = [c for pl in plans for c in pl[4]]
+        if pins_all:
+            s.cpu_pool.touch_t(int_tensor(pins_all, dev))
+            self.held.extend(pins_all)
+        sel_all = [b for pl in plans for b in pl[5]]
+        ev_first: dict[int, int] = {}
+        if sel_all:
+            cpu, _, ev_k = s.cpu_pool.alloc(len(sel_all))
+            assert cpu.tolist() == [b for i in range(cut) for b, _ in popped_by[i]], "allocation simulation"
+            if ev_k.numel():
+                ev_first = dict(zip(ev_k.tolist(), s.cpu_pool.first_of(ev_k).tolist(), strict=True))
+            gsel = int_tensor(sel_all, dev)
+            s.in_flight[gsel] = True
+            s.gpu_pool.touch_t(gsel)
+            batch.gpu.append(gsel)
+            batch.cpu.append(cpu)
+        owners, owned_keys = self.owners, self.owned_keys
+        for i, (retire, floors, regs, judged, _pins, selected, sel_keys, advance) in enumerate(plans):
+            rid, slot = rids[i], slots[i]
+            for kid in retire:
+                self.retired[kid] = None
+            for g, fl in floors:
+                self.window_floor[(rid, g)] = fl
+            mine = owned_keys.setdefault(rid, [])
+            for kid, g, p in regs:
+                own = owners.setdefault(kid, {})
+                if (rid, g, p) not in own:
+                    own[(rid, g, p)] = None
+                    mine.append(kid)
+            self.judged_cached.update(judged)
+            for kid in sel_keys:
+                ifk[kid] = ifk.get(kid, 0) + 1
+            if selected:
+                batch.req_ids.append(rid)
+                ev = [kid for _, kid in popped_by[i] if kid >= 0]
+                if ev:
+                    self._record_evictions(ev, [ev_first[kid] for kid in ev])
+            if any(advance):
+                self._adv[slot] = advance
+        if self._adv:
+            idx = int_tensor(list(self._adv), dev)
+            s.stores.cursor.index_put_((idx,), int_tensor([a for v in self._adv.values() for a in v], dev)
+                                       .view(-1, G), accumulate=True)
+            self._adv.clear()
+        return cut
+
+
     def plan_eager(self, out: SchedulerOutput, batch: StepBatch) -> None:
         s = self.s
         segs = s.eager_segments(out)
@@ -259,27 +468,9 @@ class RepairPolicy(BaselinePolicy):
             self._drop_request(rid)
         for seg in segs:
             rids, slots = s.apply_segment(seg, out)
-            if not slots:
-                continue
-            scan = list(zip(rids, slots, strict=True))
-            idx = int_tensor(slots, s.device)
-            ready = s._ready([s.stores.request[x] for x in slots], s.stores.length[idx])
-            busy = ((ready - s.stores.cursor[idx]) > 0).any(dim=1).tolist()
-            for (rid, slot), has in zip(scan, busy, strict=True):
-                if not has:
-                    for g in self.sliding_groups:
-                        self._retire_out_of_window(rid, slot, g)
-                    continue
-                selected, advance = self._select(rid, slot, None)
-                if selected:
-                    gsel = int_tensor(selected, s.device)
-                    cpu = self._alloc(len(selected))
-                    batch.req_ids.append(rid)
-                    batch.gpu.append(gsel)
-                    batch.cpu.append(cpu)
-                    self._mark_in_flight(gsel)
-                if any(advance):
-                    s.stores.cursor[slot] += int_tensor(advance, s.device)
+            while slots:
+                cut = self._scan_batch(rids, slots, batch)
+                rids, slots = rids[cut:], slots[cut:]
         wanted = self._candidates(None)
         self.lost_keys_at_repair = len({kid for _, _, kid in wanted})
         done = self._restore(wanted)
@@ -322,7 +513,7 @@ class RepairPolicy(BaselinePolicy):
                 continue
             slot = st.slot_of.get(rid)
             b = None
-            if slot is not None and not st.finished[slot] and p < int(st.cursor[slot, g]):
+            if slot is not None and not st.finished[slot] and p < self._cursor(slot, g):
                 if finishing is not None:
                     ids = finishing[1][g]
                     raw = ids[p] if p < len(ids) else None

@@ -40,6 +40,8 @@ class StoreTable:
         self.finished: list[bool] = []
         self.hids: list[list[int]] = []
         self._free_slots: list[int] = []
+        self.hid_tab = torch.zeros((0, 16), dtype=torch.int64, device=device)  # hash ids per slot
+        self._hid_written: list[int] = []  # per slot: entries of ``hids`` copied into ``hid_tab``
         self.num_finished = 0  # slots whose request finished with store events pending
         self.version = 0  # bumped whenever a slot's request or finished flag changes
 
@@ -65,12 +67,14 @@ class StoreTable:
             self.events.append(set())
             self.finished.append(False)
             self.hids.append([])
+            self._hid_written.append(0)
         self.slot_of[rid] = s
         self.rid[s] = rid
         self.request[s] = request
         self.events[s] = set()
         self.finished[s] = False
         self.hids[s] = []
+        self._hid_written[s] = 0
         self.cursor[s] = 0
         self.length[s] = 0
         return s
@@ -91,6 +95,7 @@ class StoreTable:
         self.request[s] = None
         self.events[s] = set()
         self.hids[s] = []
+        self._hid_written[s] = 0
         self._free_slots.append(s)
         return s
 
@@ -143,6 +148,25 @@ class StoreTable:
 
     def ids(self, slot: int, g: int) -> list[int]:
         return self.table[slot, g, : int(self.length[slot, g])].tolist()
+
+    def hid_count(self, slot: int) -> int:
+        return len(self.hids[slot])
+
+    def hid_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[len(slots), width]`` hash ids of the slots' requests (``sync_hids`` first)."""
+        need = max((len(self.hids[s]) for s in slots.tolist()), default=0)
+        rows, cols = self.hid_tab.shape
+        if rows < self.cursor.shape[0] or cols < need:
+            grown = torch.zeros((self.cursor.shape[0], max(cols, need, 2 * cols if need > cols else 0)),
+                                dtype=torch.int64, device=self.device)
+            grown[:rows, :cols] = self.hid_tab
+            self.hid_tab = grown
+        for s in slots.tolist():
+            have, done = self.hids[s], self._hid_written[s]
+            if len(have) > done:
+                self.hid_tab[s, done : len(have)] = int_tensor(have[done:], self.device)
+                self._hid_written[s] = len(have)
+        return self.hid_tab[slots]
 
     def sync_hids(self, slot: int) -> list[int]:
         """The hash ids of the slot's request's ``block_hashes`` (interning new ones)."""
