@@ -1,0 +1,507 @@
+"""Named proof obligations over the encodings, and the machinery that discharges them.
+
+Kinds:
+
+* ``proof`` — ``Init => Inv`` and ``Inv and Step => Inv'`` for every transition, with a
+  symbolic length N (``Quant``): the property holds for every N. Each step check first
+  makes sure its assumptions are satisfiable (else the result is ``vacuous``).
+* ``bounded`` — the same obligation on the quantifier-free unrolled encoding with
+  ``0 <= N <= 8`` (an independent second encoding of the scan), or a check that the two
+  scan encodings agree for every state with N <= 8.
+* ``counterexample`` — a property that must FAIL: Z3 must find a model (``found``); the
+  model's values are kept for ``specs.traces`` to turn into an engine trace.
+* ``vacuity`` — a deliberately broken invariant that must be refuted, or a behaviour the
+  proofs rely on being possible (out of space, a skipped group, a lost record) that must
+  be satisfiable.
+
+Every solver gets a fixed ``random_seed`` and an ``rlimit``; a check that exhausts the
+rlimit reports ``unknown`` (a failure), never a silent pass.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import z3
+from kvspec.specs.encoding import Encoding, Quant, State, Unrolled, reset_names
+from kvspec.specs.transitions import (
+    CURSOR_RESETS,
+    Step,
+    bounds,
+    c1,
+    evict,
+    init,
+    inv_for,
+    plan_scan,
+    repair_phase,
+    transitions_for,
+)
+
+SEED = 7
+RLIMIT = 20_000_000
+TIMEOUT_MS = 60_000
+BOUND = 8  # bounded cross-check: every N <= BOUND
+BOUND_G2 = 2  # two groups: every pair of lengths <= BOUND_G2
+
+PASS = {"proof": "holds", "bounded": "holds", "counterexample": "found", "vacuity": "ok"}
+
+
+def solver() -> z3.Solver:
+    s = z3.Solver()
+    s.set("random_seed", SEED)
+    s.set("rlimit", RLIMIT)
+    s.set("timeout", TIMEOUT_MS)  # safety net only: the rlimit is what normally stops a check
+    return s
+
+
+@dataclass
+class Result:
+    name: str
+    policy: str
+    kind: str
+    result: str
+    seconds: float
+    detail: str = ""
+    model: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.result == PASS[self.kind]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "policy": self.policy, "kind": self.kind, "result": self.result,
+                "seconds": round(self.seconds, 3), "ok": self.ok, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class Obligation:
+    name: str
+    policy: str
+    kind: str
+    check: Callable[[], tuple[str, str, dict[str, Any]]]  # -> (result, detail, model values)
+    statement: str = ""
+
+    def run(self) -> Result:
+        t0 = time.perf_counter()
+        reset_names()
+        result, detail, model = self.check()
+        return Result(self.name, self.policy, self.kind, result, time.perf_counter() - t0, detail, model)
+
+
+# -- check helpers -----------------------------------------------------------------------------
+
+
+def _valid(assumptions: list[z3.BoolRef], goal: z3.BoolRef,
+           witness: list[z3.BoolRef] | None = None) -> tuple[str, str]:
+    """'holds' iff assumptions are satisfiable and entail goal; else 'vacuous'/'fails'/'unknown'.
+
+    ``witness``: extra constraints for the satisfiability check only (a concrete instance
+    where model-based quantifier instantiation alone gives up); satisfiable with them
+    implies satisfiable without."""
+    s = solver()
+    s.add(*assumptions, *(witness or []))
+    r = s.check()
+    if r == z3.unsat:
+        return "vacuous", "assumptions unsatisfiable"
+    if r == z3.unknown:
+        return "unknown", f"assumptions: {s.reason_unknown()}"
+    s = solver()
+    s.add(*assumptions, z3.Not(goal))
+    r = s.check()
+    if r == z3.unsat:
+        return "holds", ""
+    if r == z3.sat:
+        return "fails", "counterexample to the goal"
+    return "unknown", s.reason_unknown()
+
+
+def _sat(assumptions: list[z3.BoolRef], read: Callable[[z3.ModelRef], dict[str, Any]] | None = None
+         ) -> tuple[str, dict[str, Any]]:
+    s = solver()
+    s.add(*assumptions)
+    r = s.check()
+    if r == z3.sat:
+        return "sat", (read(s.model()) if read else {})
+    if r == z3.unsat:
+        return "unsat", {}
+    return "unknown", {"reason": s.reason_unknown()}
+
+
+def hint(enc: Encoding, s: State) -> list[z3.BoolRef]:
+    """A concrete pre-state for the satisfiability half of a check on the quantified encoding:
+    two owned, hashed, confirmed, uncovered positions per group, cursor 0. Model-based
+    instantiation alone may give up on satisfiable quantified formulas; pinning the state
+    leaves only the step's own choices to find. The unrolled encoding needs no hint."""
+    if not isinstance(enc, Quant):
+        return []
+    t, f = z3.K(z3.IntSort(), z3.BoolVal(True)), z3.K(z3.IntSort(), z3.BoolVal(False))
+    out = [s.conf == 2, z3.Not(s.flag), s.active]
+    for grp in s.groups:
+        out += [grp.n == 2, grp.cur == 0]
+        out += [grp.arr[a] == (t if a in ("hashed", "owned") else f) for a in grp.arr]
+    return out
+
+
+def _all_steps(results: list[tuple[str, str, str]]) -> tuple[str, str, dict[str, Any]]:
+    """Combine per-transition results: the first non-'holds' decides; details name the step."""
+    for step, r, d in results:
+        if r != "holds":
+            return r, f"{step}: {d}".strip(": "), {}
+    return "holds", f"{len(results)} checks", {}
+
+
+def _step(enc: Encoding, policy: str, fn: Callable[[Encoding, str, State], Step]) -> tuple[State, Step]:
+    s = enc.state("s")
+    return s, fn(enc, policy, s)
+
+
+def inductive(enc: Encoding, policy: str, prop: str) -> tuple[str, str, dict[str, Any]]:
+    """Init => Inv and, per transition, Inv and Step => Inv'."""
+    out = []
+    s = enc.state("s")
+    out.append(("init", *_valid([init(enc, policy, s)], inv_for(prop, enc, s))))
+    for name, fn in transitions_for(policy):
+        s, st = _step(enc, policy, fn)
+        out.append((name, *_valid([inv_for(prop, enc, s), *st.constraints], inv_for(prop, enc, st.post),
+                                  hint(enc, s))))
+    return _all_steps(out)
+
+
+def monotone(enc: Encoding, policy: str) -> tuple[str, str, dict[str, Any]]:
+    """Every transition but preemption and reset leaves every cursor where it was or ahead."""
+    out = []
+    for name, fn in transitions_for(policy):
+        if name in CURSOR_RESETS:
+            continue
+        s, st = _step(enc, policy, fn)
+        goal = z3.And([st.post.groups[g].cur >= s.groups[g].cur for g in range(enc.G)])
+        out.append((name, *_valid([inv_for("bounds", enc, s), *st.constraints], goal, hint(enc, s))))
+    for name in CURSOR_RESETS:  # and those two really do reset
+        fn = dict(transitions_for(policy))[name]
+        s, st = _step(enc, policy, fn)
+        goal = z3.And([st.post.groups[g].cur == 0 for g in range(enc.G)])
+        out.append((name, *_valid([inv_for("bounds", enc, s), *st.constraints], goal, hint(enc, s))))
+    return _all_steps(out)
+
+
+def soundness(enc: Encoding, policy: str) -> tuple[str, str, dict[str, Any]]:
+    """Repair R3: every position the scan or the repair phase selects is confirmed, owned, hashed."""
+    out = []
+    s, st = _step(enc, policy, plan_scan)
+    assert st.scan is not None
+    goal = z3.And([enc.forall(lambda p, g=g: z3.Implies(
+        z3.Or(st.scan.sel[g](p), st.scan.rescan[g](p)), z3.And(enc.confirmed(s, g, p), enc.ownh(s, g, p))))
+        for g in range(enc.G)])
+    out.append(("plan", *_valid([inv_for("c2", enc, s), *st.constraints], goal, hint(enc, s))))
+    s, st = _step(enc, policy, repair_phase)
+    goal = z3.And([enc.forall(lambda p, g=g: z3.Implies(
+        st.restored[g](p), z3.And(enc.confirmed(s, g, p), enc.ownh(s, g, p)))) for g in range(enc.G)])
+    out.append(("repair-phase", *_valid([inv_for("c2", enc, s), *st.constraints], goal, hint(enc, s))))
+    return _all_steps(out)
+
+
+def no_amplification(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
+    """Repair C3: each re-store consumes a pending lost record whose key is neither cached nor in
+    flight, and no position is both scan-selected and re-stored in one step: re-stores per
+    step <= distinct lost keys (keys of distinct positions differ)."""
+    s = enc.state("s")
+    sc = plan_scan(enc, "repair", s)
+    rp = repair_phase(enc, "repair", sc.post)
+    assert sc.scan is not None
+    goal = z3.And([enc.forall(lambda p, g=g: z3.Implies(
+        rp.restored[g](p),
+        z3.And(enc.v(s, g, "lost", p), z3.Not(enc.covered(sc.post, g, p)),
+               z3.Not(sc.scan.sel[g](p)), z3.Not(enc.v(rp.post, g, "lost", p))))) for g in range(enc.G)])
+    r, d = _valid([inv_for("c2", enc, s), *sc.constraints, *rp.constraints], goal, hint(enc, s))
+    return r, d, {}
+
+
+def cross_request_dedup() -> tuple[str, str, dict[str, Any]]:
+    """Repair C3 across requests (symbolic N): records of two requests sharing keys; the
+    candidates are taken one per key in record order (A's, then B's), and a re-store needs
+    an uncovered key. Then no key is re-stored twice and every re-stored key is a lost
+    key, so re-stores <= distinct lost keys."""
+    a_lost, b_lost = z3.Array("A.lost", z3.IntSort(), z3.BoolSort()), z3.Array("B.lost", z3.IntSort(), z3.BoolSort())
+    a_key, b_key = z3.Array("A.key", z3.IntSort(), z3.IntSort()), z3.Array("B.key", z3.IntSort(), z3.IntSort())
+    covered = z3.Array("covered", z3.IntSort(), z3.BoolSort())  # by key
+    na, nb = z3.Ints("A.N B.N")
+    p, q, r = z3.Ints("p q r")
+    a_rest, b_rest = z3.Array("A.rest", z3.IntSort(), z3.BoolSort()), z3.Array("B.rest", z3.IntSort(), z3.BoolSort())
+
+    def cand_a(i: Any) -> z3.BoolRef:
+        return z3.And(0 <= i, i < na, a_lost[i], z3.Not(covered[a_key[i]]))
+
+    def cand_b(i: Any) -> z3.BoolRef:  # used positively only, so the inner "no A candidate" is universal
+        return z3.And(0 <= i, i < nb, b_lost[i], z3.Not(covered[b_key[i]]),
+                      z3.ForAll([r], z3.Implies(cand_a(r), a_key[r] != b_key[i])))
+
+    assumptions = [
+        # chained hashes: one request's positions have distinct keys
+        z3.ForAll([p, q], z3.Implies(z3.And(0 <= p, p < q, q < na), a_key[p] != a_key[q])),
+        z3.ForAll([p, q], z3.Implies(z3.And(0 <= p, p < q, q < nb), b_key[p] != b_key[q])),
+        z3.ForAll([p], z3.Implies(a_rest[p], cand_a(p))),
+        z3.ForAll([p], z3.Implies(b_rest[p], cand_b(p))),
+    ]
+    goal = z3.And(
+        z3.ForAll([p, q], z3.Implies(z3.And(a_rest[p], b_rest[q]), a_key[p] != b_key[q])),
+        z3.ForAll([p, q], z3.Implies(z3.And(a_rest[p], a_rest[q], p != q), a_key[p] != a_key[q])),
+        z3.ForAll([p, q], z3.Implies(z3.And(b_rest[p], b_rest[q], p != q), b_key[p] != b_key[q])),
+        z3.ForAll([p], z3.Implies(a_rest[p], z3.And(a_lost[p], z3.Not(covered[a_key[p]])))),
+        z3.ForAll([p], z3.Implies(b_rest[p], z3.And(b_lost[p], z3.Not(covered[b_key[p]])))),
+    )
+    i = z3.Int("i")
+    witness = [na == 2, nb == 2, a_key == z3.Lambda([i], i + 1), b_key == z3.Lambda([i], i + 2),
+               a_lost == z3.K(z3.IntSort(), z3.BoolVal(True)), b_lost == z3.K(z3.IntSort(), z3.BoolVal(True)),
+               covered == z3.K(z3.IntSort(), z3.BoolVal(False)),
+               a_rest == z3.Lambda([i], z3.And(0 <= i, i < 2)), b_rest == z3.Lambda([i], i == 1)]
+    r_, d = _valid(assumptions, goal, witness)
+    return r_, d, {}
+
+
+def scans_agree(policy: str, G: int, M: int = BOUND) -> tuple[str, str, dict[str, Any]]:
+    """The relational (quantified) scan and the unrolled scan give the same cursors and the
+    same selections on every state with N <= M (one check per length and cursor, which keeps
+    each check small; the free count, confirmed count and all position bits stay symbolic)."""
+    q, u = Quant(G), Unrolled(G, M)
+    sq, su = q.state("q"), u.state("u")
+    link = [sq.conf == su.conf, sq.flag == su.flag, q.wf(sq), u.wf(su)]
+    for g in range(G):
+        link += [sq.groups[g].n == su.groups[g].n, sq.groups[g].cur == su.groups[g].cur,
+                 sq.groups[g].cur >= 0]
+        for name, arr in su.groups[g].arr.items():
+            link += [z3.Select(sq.groups[g].arr[name], i) == arr[i] for i in range(M)]
+    free, scheduled = z3.Int("free"), z3.Bool("scheduled")
+    scq = q.scan(policy, sq, free, scheduled, sq.flag)
+    scu = u.scan(policy, su, free, scheduled, su.flag)
+    same = []
+    for g in range(G):
+        same.append(scq.cur[g] == scu.cur[g])
+        same += [scq.sel[g](i) == scu.sel[g](i) for i in range(M)]
+        same += [scq.rescan[g](i) == scu.rescan[g](i) for i in range(M)]
+    base = [*link, free >= 0, *scq.constraints, *scq.ground(range(-1, M + 1))]
+    r, d = _valid(base, z3.BoolVal(True), hint(q, sq))
+    if r != "holds":
+        return r, d, {}
+    per_group = [(n, c) for n in range(M + 1) for c in range(n + 1)]
+    shapes = list(itertools.product(*[per_group] * G))
+    sv = solver()
+    sv.set("mbqi", False)  # the ground instances suffice for unsat; MBQI can only wander here
+    sv.add(*base, z3.Not(z3.And(same)))
+    for shape in shapes:
+        sv.push()
+        sv.add(*[z3.And(sq.groups[g].n == n, sq.groups[g].cur == c) for g, (n, c) in enumerate(shape)])
+        r_ = sv.check()
+        sv.pop()
+        if r_ != z3.unsat:
+            return ("fails" if r_ == z3.sat else "unknown"), f"N, cursor per group = {shape}", {}
+    return "holds", f"{len(shapes)} shapes", {}
+
+
+def no_lookback(enc: Encoding, policy: str) -> tuple[str, str, dict[str, Any]]:
+    """Baseline: the scan never selects a position below the cursor (so a hole there stays)."""
+    s, st = _step(enc, policy, plan_scan)
+    assert st.scan is not None
+    goal = z3.And([enc.forall(lambda p, g=g: z3.Implies(z3.Or(st.scan.sel[g](p), st.scan.rescan[g](p)),
+                                                         p >= s.groups[g].cur)) for g in range(enc.G)])
+    r, d = _valid([inv_for("bounds", enc, s), *st.constraints], goal, hint(enc, s))
+    return r, d, {}
+
+
+# -- counterexamples ---------------------------------------------------------------------------
+
+
+def _read_state(m: z3.ModelRef, enc: Encoding, s: State, tag: str, upto: int = 8) -> dict[str, Any]:
+    out: dict[str, Any] = {f"{tag}.conf": m.eval(s.conf, model_completion=True).as_long(),
+                           f"{tag}.flag": z3.is_true(m.eval(s.flag, model_completion=True))}
+    for g, grp in enumerate(s.groups):
+        out[f"{tag}.N{g}"] = m.eval(grp.n, model_completion=True).as_long()
+        out[f"{tag}.cur{g}"] = m.eval(grp.cur, model_completion=True).as_long()
+        for name in ("owned", "hashed", "cached", "infl"):
+            out[f"{tag}.{name}{g}"] = [z3.is_true(m.eval(enc.v(s, g, name, i), model_completion=True))
+                                       for i in range(upto)]
+    return out
+
+
+def counterexample(enc: Encoding, policy: str, prop: str, fn: Callable[[Encoding, str, State], Step],
+                   extra: Callable[[State, Step], list[z3.BoolRef]]) -> tuple[str, str, dict[str, Any]]:
+    """Find Inv and Step and extra with not Inv' (the property is not preserved)."""
+    s, st = _step(enc, policy, fn)
+    want = [inv_for(prop, enc, s), *st.constraints, *extra(s, st), z3.Not(inv_for(prop, enc, st.post))]
+
+    def read(m: z3.ModelRef) -> dict[str, Any]:
+        vals = _read_state(m, enc, s, "pre") | _read_state(m, enc, st.post, "post")
+        for k, v in st.inputs.items():
+            vals[k] = z3.is_true(m.eval(v, model_completion=True)) if z3.is_bool(v) else \
+                m.eval(v, model_completion=True).as_long()
+        return vals
+
+    r, model = _sat(want, read)
+    if r == "sat":
+        return "found", "property not preserved", model
+    return ("not found" if r == "unsat" else "unknown"), str(model.get("reason", "")), {}
+
+
+def witness(enc: Encoding, policy: str, fn: Callable[[Encoding, str, State], Step],
+            cond: Callable[[State, Step], list[z3.BoolRef]], prop: str = "bounds") -> tuple[str, str, dict[str, Any]]:
+    """A behaviour the proofs must cover is reachable from an invariant state (non-vacuity)."""
+    s, st = _step(enc, policy, fn)
+    r, _ = _sat([inv_for(prop, enc, s), *st.constraints, *cond(s, st)])
+    return ("ok" if r == "sat" else "vacuous"), ("satisfiable" if r == "sat" else r), {}
+
+
+def refuted(enc: Encoding, policy: str,
+            broken: Callable[[Encoding, State], z3.BoolRef]) -> tuple[str, str, dict[str, Any]]:
+    """A deliberately broken invariant must NOT be provable: some init or step breaks it."""
+    def inv(s: State) -> z3.BoolRef:
+        return z3.And(enc.wf(s), bounds(enc, s), broken(enc, s))
+
+    s = enc.state("s")
+    r, _ = _sat([init(enc, policy, s), z3.Not(inv(s))])
+    if r == "sat":
+        return "ok", "refuted at init", {}
+    for name, fn in transitions_for(policy):
+        s, st = _step(enc, policy, fn)
+        r, _ = _sat([inv(s), *st.constraints, z3.Not(inv(st.post))])
+        if r == "sat":
+            return "ok", f"refuted by {name}", {}
+    return "vacuous", "the broken invariant was not refuted", {}
+
+
+# -- the catalogue -----------------------------------------------------------------------------
+
+
+def _cex_t2(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
+    return counterexample(enc, "baseline", "c1", evict, lambda s, st: [])
+
+
+def _cex_h1(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
+    return counterexample(enc, "signal-rescan", "flag", plan_scan,
+                          lambda s, st: [z3.Not(st.inputs["scheduled"])])
+
+
+def _cex_h3(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
+    return counterexample(enc, "signal-rescan", "flag", plan_scan,
+                          lambda s, st: [st.inputs["scheduled"], s.flag])
+
+
+def _out_of_space(s: State, st: Step) -> list[z3.BoolRef]:
+    """The scan stops early: some confirmed position is left for later."""
+    return [st.inputs["scheduled"], st.post.groups[0].cur < z3.If(s.conf < s.groups[0].n, s.conf, s.groups[0].n),
+            st.post.groups[0].cur > s.groups[0].cur]
+
+
+def _group_skipped(s: State, st: Step) -> list[z3.BoolRef]:
+    """Two groups: the first uses up the free count, the second is not advanced although it has work."""
+    g1 = s.groups[1]
+    return [st.inputs["scheduled"], g1.cur < z3.If(s.conf < g1.n, s.conf, g1.n), st.post.groups[1].cur == g1.cur,
+            st.post.groups[0].cur > s.groups[0].cur]
+
+
+def _lost_record(s: State, st: Step) -> list[z3.BoolRef]:
+    enc = Quant(len(s.groups))
+    p = z3.Int("witness_p")
+    return [s.active, z3.Not(enc.v(s, 0, "lost", p)), enc.v(st.post, 0, "lost", p)]
+
+
+def catalogue(quick: bool = False) -> list[Obligation]:
+    """All obligations, in report order. ``quick`` drops the two-group duplicates."""
+    obs: list[Obligation] = []
+    groups = (1,) if quick else (1, 2)
+    for pol in ("baseline", "signal-rescan", "repair"):
+        for G in groups:
+            tag = "" if G == 1 else f"[G={G}]"
+            obs.append(Obligation(f"cursor-bounds{tag}", pol, "proof",
+                                  lambda pol=pol, G=G: inductive(Quant(G), pol, "bounds"),
+                                  "0 <= cursor <= ready <= N, every N"))
+            obs.append(Obligation(f"cursor-monotone{tag}", pol, "proof",
+                                  lambda pol=pol, G=G: monotone(Quant(G), pol),
+                                  "cursors never move back except at preemption and reset"))
+    for G in groups:
+        tag = "" if G == 1 else f"[G={G}]"
+        obs.append(Obligation(f"completeness-c2{tag}", "repair", "proof",
+                              lambda G=G: inductive(Quant(G), "repair", "c2"),
+                              "C2: owned confirmed hashed positions below the cursor are cached, in flight "
+                              "or recorded lost"))
+        obs.append(Obligation(f"soundness{tag}", "repair", "proof", lambda G=G: soundness(Quant(G), "repair"),
+                              "only confirmed, owned, hashed positions are stored"))
+    obs.append(Obligation("no-amplification", "repair", "proof", lambda: no_amplification(Quant(1)),
+                          "re-stores consume distinct pending lost records of uncovered keys"))
+    obs.append(Obligation("no-amplification-cross-request", "repair", "proof", cross_request_dedup,
+                          "re-stored keys are distinct across requests"))
+    obs.append(Obligation("no-lookback", "baseline", "proof", lambda: no_lookback(Quant(1), "baseline"),
+                          "the baseline scan never selects below the cursor"))
+    # expected counterexamples (the FIXME and the #47235 hazards)
+    obs.append(Obligation("completeness-c1:T2", "baseline", "counterexample", lambda: _cex_t2(Quant(1)),
+                          "an eviction below the cursor leaves a hole C1 reports"))
+    obs.append(Obligation("completeness-flag:H1", "signal-rescan", "counterexample", lambda: _cex_h1(Quant(1)),
+                          "the flag is consumed while the request is not scheduled"))
+    obs.append(Obligation("completeness-flag:H3", "signal-rescan", "counterexample", lambda: _cex_h3(Quant(1)),
+                          "Phase 1a runs out of CPU space; the flag is gone"))
+    # bounded cross-checks: a second, quantifier-free encoding with N <= BOUND
+    for pol in ("baseline", "signal-rescan", "repair"):
+        obs.append(Obligation(f"bounded:cursor-bounds[N<={BOUND}]", pol, "bounded",
+                              lambda pol=pol: inductive(Unrolled(1, BOUND), pol, "bounds")))
+        obs.append(Obligation(f"bounded:cursor-monotone[N<={BOUND}]", pol, "bounded",
+                              lambda pol=pol: monotone(Unrolled(1, BOUND), pol)))
+        obs.append(Obligation(f"bounded:scans-agree[N<={BOUND}]", pol, "bounded",
+                              lambda pol=pol: scans_agree(pol, 1)))
+        if not quick and pol != "signal-rescan":  # see SPEC.md: left to the agreement tests
+            obs.append(Obligation(f"bounded:scans-agree[N<={BOUND_G2},G=2]", pol, "bounded",
+                                  lambda pol=pol: scans_agree(pol, 2, BOUND_G2)))
+    obs.append(Obligation(f"bounded:completeness-c2[N<={BOUND}]", "repair", "bounded",
+                          lambda: inductive(Unrolled(1, BOUND), "repair", "c2")))
+    obs.append(Obligation(f"bounded:soundness[N<={BOUND}]", "repair", "bounded",
+                          lambda: soundness(Unrolled(1, BOUND), "repair")))
+    obs.append(Obligation(f"bounded:no-amplification[N<={BOUND}]", "repair", "bounded",
+                          lambda: no_amplification(Unrolled(1, BOUND))))
+    obs.append(Obligation(f"bounded:completeness-c1:T2[N<={BOUND}]", "baseline", "counterexample",
+                          lambda: _cex_t2(Unrolled(1, BOUND))))
+    obs.append(Obligation(f"bounded:completeness-flag:H1[N<={BOUND}]", "signal-rescan", "counterexample",
+                          lambda: _cex_h1(Unrolled(1, BOUND))))
+    obs.append(Obligation(f"bounded:completeness-flag:H3[N<={BOUND}]", "signal-rescan", "counterexample",
+                          lambda: _cex_h3(Unrolled(1, BOUND))))
+    # vacuity: broken invariants are refuted; the behaviours the proofs cover are possible
+    obs.append(Obligation("vacuity:c2-without-records", "repair", "vacuity",
+                          lambda: refuted(Quant(1), "repair", lambda e, s: c1(e, s)),
+                          "C1 (no pending records) is not an invariant of repair"))
+    obs.append(Obligation("vacuity:cursor-below-ready", "repair", "vacuity",
+                          lambda: refuted(Quant(1), "repair",
+                                          lambda e, s: z3.Or(s.groups[0].cur == 0, s.groups[0].cur < e.ready(s, 0))),
+                          "a too-strong cursor bound is refuted"))
+    obs.append(Obligation("vacuity:baseline-unsound", "baseline", "vacuity",
+                          lambda: _baseline_stores_unowned(Quant(1)),
+                          "the baseline scan can store a position the request does not own (H4)"))
+    for pol in ("baseline", "signal-rescan", "repair"):
+        obs.append(Obligation("vacuity:out-of-space", pol, "vacuity",
+                              lambda pol=pol: witness(Quant(1), pol, plan_scan, _out_of_space)))
+        if not quick:
+            obs.append(Obligation("vacuity:group-skipped[G=2]", pol, "vacuity",
+                                  lambda pol=pol: witness(Quant(2), pol, plan_scan, _group_skipped)))
+    obs.append(Obligation("vacuity:lost-record", "repair", "vacuity",
+                          lambda: witness(Quant(1), "repair", evict, _lost_record, prop="c2")))
+    return obs
+
+
+def _baseline_stores_unowned(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
+    s, st = _step(enc, "baseline", plan_scan)
+    assert st.scan is not None
+    p = z3.Int("witness_p")
+    r, _ = _sat([inv_for("bounds", enc, s), *st.constraints, st.scan.sel[0](p), z3.Not(enc.v(s, 0, "owned", p))])
+    return ("ok" if r == "sat" else "vacuous"), r, {}
+
+
+def run_all(obs: list[Obligation] | None = None,
+            progress: Callable[[Obligation, Result | None], None] | None = None) -> list[Result]:
+    out = []
+    for ob in obs if obs is not None else catalogue():
+        if progress:
+            progress(ob, None)
+        res = ob.run()
+        if progress:
+            progress(ob, res)
+        out.append(res)
+    return out
