@@ -158,7 +158,8 @@ class Encoding:
         return z3.And(base, self.v(s, g, "owned", p)) if policy == "repair" else base
 
     def pins(self, policy: str, s: State, g: int, p: Any) -> z3.BoolRef:
-        """Repair R5: an owned, already-cached position pins its CPU copy (free count -1)."""
+        """Repair R5: an owned, already-cached position pins its CPU copy (free count -1); a pin
+        that would leave less room than the selection needs stops the scan like a READY one."""
         if policy != "repair":
             return z3.BoolVal(False)
         return z3.And(self.ownh(s, g, p), z3.Not(self.v(s, g, "infl", p)), self.v(s, g, "cached", p),
@@ -245,7 +246,9 @@ class Quant(Encoding):
                                  lambda p, c, r=rdy, q=pin: z3.Or(r(p), q(p)), axioms)
             cons += ax
             c2 = z3.Int(_fresh("cur'"))
-            stop = (lambda cb_, r: lambda p: z3.And(r(p), cb_(p) >= free))(cb, rdy)
+            # out of space: a READY position (or, repair, a pin that would starve the selection)
+            # meets a used-up free count; the cursor stops there, not advanced
+            stop = (lambda cb_, r, q: lambda p: z3.And(z3.Or(r(p), q(p)), cb_(p) >= free))(cb, rdy, pin)
             p = z3.Int(_fresh("p"))
 
             def no_stop(p: Any, cur: Any = cur, c2: Any = c2, stop: Any = stop, scanned: Any = scanned) -> z3.BoolRef:
@@ -306,13 +309,13 @@ class Unrolled(Encoding):
             sel_b: list[z3.BoolRef] = []
             for i in range(self.M):
                 visit = z3.And(scanned, z3.Not(stopped), i >= cur, i < ready)
-                rdy = self.ready_to_store(policy, s, g, i)
-                stop_here = z3.And(visit, rdy, count >= free)
+                rdy, pin = self.ready_to_store(policy, s, g, i), self.pins(policy, s, g, i)
+                stop_here = z3.And(visit, z3.Or(rdy, pin), count >= free)
                 take = z3.And(visit, rdy, count < free)
                 sel_b.append(take)
                 stopped = z3.Or(stopped, stop_here)
                 advance = advance + z3.If(z3.And(visit, z3.Not(stop_here)), 1, 0)
-                count = count + z3.If(z3.Or(take, z3.And(visit, self.pins(policy, s, g, i))), 1, 0)
+                count = count + z3.If(z3.And(visit, z3.Or(rdy, pin), count < free), 1, 0)
             curs.append(cur + advance)
             sels.append(lambda p, sel_b=sel_b: sel_b[p])
             resels.append(lambda p, sel_a=sel_a: sel_a[p])

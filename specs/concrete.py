@@ -1,0 +1,295 @@
+"""Concrete small states, on both sides of the abstraction.
+
+``Pos`` is one position's abstract state; ``Small`` a whole focal request. From a
+``Small`` state this module
+
+* evaluates the Z3 planning scan (``scan_unrolled``: the unrolled encoding built over
+  concrete values and simplified; ``scan_quantified``: the quantified encoding's unique
+  successor, found by the solver and checked unique), and
+* builds the real model (``build_model``): a policy scheduler with a tiny configuration
+  (block size 1), GPU blocks hashed, owned, in flight as the state says, CPU copies
+  cached and free or pinned, lost records and the owner index set, then runs
+  ``build_connector_meta`` and reads back the cursor, the selected positions and the
+  records (``model_plan``).
+
+The tests compare the two; ``tests/test_spec_agreement.py`` says which states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import z3
+from kvspec.model import make_scheduler
+from kvspec.model.scheduler import OffloadScheduler, StoreState
+from kvspec.specs.encoding import ARRAYS, Group, Quant, State, Unrolled
+from kvspec.specs.transitions import Step, evict, plan_scan, repair_phase
+
+from kvspec.interfaces import CachedRequestData, KVGroup, OffloadConfig, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class Pos:
+    hashed: bool = False
+    owned: bool = False
+    cached: bool = False
+    cfree: bool = False
+    infl: bool = False
+    lost: bool = False
+    reg: bool = False
+
+
+# the position kinds the exhaustive tests enumerate (see tests/test_spec_agreement.py)
+NULL = Pos()  # null id, nothing to recover
+UNHASHED = Pos(owned=True)  # a block that carries no key yet
+FOREIGN = Pos(hashed=True)  # a stale id: the block carries someone else's key
+OWNED = Pos(hashed=True, owned=True)
+OWNED_CACHED = Pos(hashed=True, owned=True, cached=True, cfree=True)
+OWNED_INFL = Pos(hashed=True, owned=True, infl=True)
+KINDS = (NULL, UNHASHED, FOREIGN, OWNED, OWNED_CACHED, OWNED_INFL)
+
+
+@dataclass
+class Small:
+    """One request: per group a list of positions and a cursor; confirmed blocks; the flag.
+
+    ``spare`` is the number of free, unhashed CPU blocks; the CPU free count the scan
+    reads is ``spare`` plus the cached copies that sit in the free queue."""
+
+    groups: list[list[Pos]]
+    cursors: list[int]
+    conf: int
+    spare: int
+    flag: bool = False
+    scheduled: bool = True
+    active: bool = True
+
+    @property
+    def free(self) -> int:
+        return self.spare + sum(1 for ps in self.groups for p in ps if p.hashed and p.cached and p.cfree)
+
+
+@dataclass
+class Outcome:
+    cursors: list[int]
+    selected: set[tuple[int, int]]  # (group, position) stored this step (scan, rescan, re-store)
+    lost: set[tuple[int, int]] = field(default_factory=set)
+    reg: set[tuple[int, int]] = field(default_factory=set)
+
+
+# -- the Z3 side -------------------------------------------------------------------------------
+
+
+def _concrete_state(st: Small) -> State:
+    groups = []
+    for g, ps in enumerate(st.groups):
+        arr = {a: [z3.BoolVal(getattr(p, a)) for p in ps] for a in ARRAYS}
+        groups.append(Group(z3.IntVal(len(ps)), z3.IntVal(st.cursors[g]), arr))
+    return State(groups, z3.IntVal(st.conf), z3.BoolVal(st.flag), z3.BoolVal(st.active))
+
+
+def _true(e: Any) -> bool:
+    v = z3.simplify(e)
+    assert z3.is_true(v) or z3.is_false(v), f"not concrete: {v}"
+    return z3.is_true(v)
+
+
+def scan_unrolled(policy: str, st: Small) -> Outcome:
+    """The planning step of the unrolled encoding (``plan_scan``) built over concrete values,
+    its inputs substituted, every result simplified to a constant."""
+    M = max((len(ps) for ps in st.groups), default=0)
+    assert all(len(ps) == M for ps in st.groups), "the unrolled evaluation wants equal lengths"
+    enc = Unrolled(len(st.groups), M)
+    s = _concrete_state(st)
+    step = plan_scan(enc, policy, s)
+    assert step.scan is not None
+    subst = [(step.inputs["free"], z3.IntVal(st.free)), (step.inputs["scheduled"], z3.BoolVal(st.scheduled))]
+
+    def val(e: Any) -> Any:
+        v = z3.simplify(z3.substitute(e, *subst))
+        if z3.is_int_value(v):
+            return v.as_long()
+        assert z3.is_true(v) or z3.is_false(v), f"not concrete: {v}"
+        return z3.is_true(v)
+
+    cells = [(g, i) for g in range(enc.G) for i in range(M)]
+    cursors = [val(grp.cur) for grp in step.post.groups]
+    selected = {(g, i) for g, i in cells if val(z3.Or(step.scan.sel[g](i), step.scan.rescan[g](i)))}
+    reg = {(g, i) for g, i in cells if val(enc.v(step.post, g, "reg", i))}
+    lost = {(g, i) for g, i in cells if val(enc.v(step.post, g, "lost", i))}
+    return Outcome(cursors, selected, lost, reg)
+
+
+def _pin_quant(enc: Quant, s: State, st: Small) -> list[z3.BoolRef]:
+    out = [s.conf == st.conf, s.flag == st.flag, s.active == st.active]
+    for g, ps in enumerate(st.groups):
+        grp = s.groups[g]
+        out += [grp.n == len(ps), grp.cur == st.cursors[g]]
+        for a in ARRAYS:
+            out += [z3.Select(grp.arr[a], i) == z3.BoolVal(getattr(p, a)) for i, p in enumerate(ps)]
+    return out
+
+
+def scan_quantified(policy: str, st: Small) -> tuple[Outcome, bool]:
+    """The quantified encoding's successor for ``st`` and whether it is the only one."""
+    enc = Quant(len(st.groups))
+    s = enc.state("c")
+    step = plan_scan(enc, policy, s)
+    assert step.scan is not None
+    sv = z3.Solver()
+    sv.set("random_seed", 7)
+    sv.set("rlimit", 20_000_000)
+    pins = _pin_quant(enc, s, st)
+    sv.add(*pins, *step.constraints, step.inputs["free"] == st.free, step.inputs["scheduled"] == st.scheduled)
+    span = range(-1, max((len(ps) for ps in st.groups), default=0) + 2)
+    sv.add(*step.scan.ground(span))
+    assert sv.check() == z3.sat, "the quantified scan has no successor"
+    m = sv.model()
+    cursors = [m.eval(c, model_completion=True).as_long() for c in step.scan.cur]
+    sel_terms = {(g, i): z3.Or(step.scan.sel[g](i), step.scan.rescan[g](i))
+                 for g, ps in enumerate(st.groups) for i in range(len(ps))}
+    selected = {k for k, t in sel_terms.items() if z3.is_true(m.eval(t, model_completion=True))}
+    other = [c != v for c, v in zip(step.scan.cur, cursors, strict=True)]
+    other += [t != z3.BoolVal(k in selected) for k, t in sel_terms.items()]
+    sv.add(z3.Or(other) if other else z3.BoolVal(False))
+    unique = sv.check() == z3.unsat
+    return Outcome(cursors, selected), unique
+
+
+def _repair_solver(st: Small, room: bool, then_evict: bool = False
+                   ) -> tuple[z3.Solver, Any, Any, list[tuple[int, int]]]:
+    """The repair phase over concrete values; with ``then_evict``, followed by the eviction its
+    own CPU allocation may cause (R7 may take a useless entry, whose owners get records)."""
+    M = max((len(ps) for ps in st.groups), default=0)
+    assert all(len(ps) == M for ps in st.groups)
+    enc = Unrolled(len(st.groups), M)
+    s = _concrete_state(st)
+    step = repair_phase(enc, "repair", s)
+    sv = z3.Solver()
+    sv.set("random_seed", 7)
+    sv.set("rlimit", 20_000_000)
+    sv.add(*step.constraints, step.inputs["room"] == room)
+    if then_evict:
+        ev = evict(enc, "repair", step.post)
+        sv.add(*ev.constraints)
+        step = Step(ev.post, step.constraints + ev.constraints, restored=step.restored, inputs=step.inputs)
+    cells = [(g, i) for g in range(enc.G) for i in range(M)]
+    return sv, enc, step, cells
+
+
+def repair_phase_z3(st: Small, room: bool) -> tuple[Outcome, bool]:
+    """The repair phase's successor (re-stored positions, records) over concrete values, and
+    whether it is the only one the relation admits."""
+    sv, enc, step, cells = _repair_solver(st, room)
+    assert sv.check() == z3.sat, "the repair phase has no successor"
+    m = sv.model()
+    rest = {(g, i) for g, i in cells if z3.is_true(m.eval(step.restored[g](i), model_completion=True))}
+    lost = {(g, i) for g, i in cells if z3.is_true(m.eval(enc.v(step.post, g, "lost", i), model_completion=True))}
+    sv.add(z3.Or([step.restored[g](i) != z3.BoolVal((g, i) in rest) for g, i in cells]
+                 + [enc.v(step.post, g, "lost", i) != z3.BoolVal((g, i) in lost) for g, i in cells]
+                 + [z3.BoolVal(False)]))
+    return Outcome(list(st.cursors), rest, lost=lost), sv.check() == z3.unsat
+
+
+def repair_phase_admits(st: Small, room: bool, out: Outcome) -> bool:
+    """Does the Z3 relation "repair phase, then the eviction its allocation causes" admit
+    ``out`` as a successor of ``st``?"""
+    sv, enc, step, cells = _repair_solver(st, room, then_evict=True)
+    for g, i in cells:
+        sv.add(step.restored[g](i) == ((g, i) in out.selected))
+        sv.add(enc.v(step.post, g, "lost", i) == ((g, i) in out.lost))
+    return sv.check() == z3.sat
+
+
+# -- the model side ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Req:
+    request_id: str
+    block_hashes: list[str]
+    num_computed_tokens: int
+    num_output_placeholders: int = 0
+    skip_reading_prefix_cache: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.block_hashes) + 1
+
+
+def build_model(policy: str, st: Small) -> tuple[OffloadScheduler, dict[int, tuple[int, int]]]:
+    """A scheduler whose store state for request "R" is ``st`` (block size 1, full-attention
+    groups). Returns it and the map GPU block id -> (group, position)."""
+    G = len(st.groups)
+    n_pos = sum(len(ps) for ps in st.groups)
+    n_cached = sum(1 for ps in st.groups for p in ps if p.hashed and p.cached)
+    cfg = OffloadConfig(block_size=1, num_gpu_blocks=n_pos + 2, num_cpu_blocks=1 + n_cached + st.spare + 1,
+                        groups=tuple(KVGroup() for _ in range(G)), policy=policy)
+    sched = make_scheduler(cfg)
+    gpu, cpu = sched.gpu_pool, sched.cpu_pool
+    length = max((len(ps) for ps in st.groups), default=0)
+    hashes = [f"h{i}" for i in range(length)]
+    req = _Req("R", hashes, st.conf)
+    where: dict[int, tuple[int, int]] = {}
+    ids: list[list[int]] = []
+    cached_cpu: list[int] = []
+    pinned_cpu: list[int] = []
+    for g, ps in enumerate(st.groups):
+        row = []
+        for i, p in enumerate(ps):
+            if not p.hashed and not p.owned:  # NULL
+                row.append(0)
+                continue
+            b = gpu.get_new_blocks(1)[0]
+            where[b] = (g, i)
+            row.append(b)
+            if not p.hashed:
+                continue
+            key = (hashes[i], g) if p.owned else (f"x{g}.{i}", g)
+            gpu.insert_block_hash(key, b)
+            if p.infl:
+                sched.in_flight_store_gpu_blocks.add(b)
+                if policy == "repair":
+                    sched.in_flight_keys[key] = 1  # type: ignore[attr-defined]
+            if p.cached:
+                c = cpu.get_new_blocks(1)[0]
+                cpu.insert_block_hash(key, c)
+                (cached_cpu if p.cfree else pinned_cpu).append(c)
+            if policy == "repair" and p.owned:
+                if p.reg:
+                    sched.owners.setdefault(key, {})[("R", g, i)] = None  # type: ignore[attr-defined]
+        ids.append(row)
+    # one CPU block stays referenced (the pool's spare slot), the rest: cached copies, then spare free ones
+    extra = cpu.get_new_blocks(1)
+    spare = cpu.get_new_blocks(st.spare)
+    cpu.free_blocks(spare)
+    cpu.free_blocks(cached_cpu)
+    del extra, pinned_cpu
+    if policy == "repair":
+        for g, ps in enumerate(st.groups):
+            for i, p in enumerate(ps):
+                if p.lost:
+                    sched.lost[("R", g, i)] = (hashes[i], g)  # type: ignore[attr-defined]
+    if policy == "signal-rescan":
+        sched.eviction_flag = st.flag  # type: ignore[attr-defined]
+    sched.reqs_to_store["R"] = StoreState(req, [list(r) for r in ids], list(st.cursors))
+    assert cpu.get_num_free_blocks() == st.free
+    return sched, where
+
+
+def model_plan(policy: str, st: Small) -> Outcome:
+    """Run the model's planning step (``build_connector_meta``) on ``st``; read the outcome."""
+    sched, where = build_model(policy, st)
+    out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(req_ids=["R"], new_block_ids=[None]),
+                          num_scheduled_tokens={"R": 1 if st.scheduled else 0})
+    meta = sched.build_connector_meta(out)
+    state = sched.reqs_to_store["R"]
+    selected = {where[b] for b in meta.store_gpu_blocks}
+    assert len(selected) == len(meta.store_gpu_blocks), "a position was selected twice"
+    lost: set[tuple[int, int]] = set()
+    reg: set[tuple[int, int]] = set()
+    if policy == "repair":
+        lost = {(g, i) for (_, g, i) in sched.lost}  # type: ignore[attr-defined]
+        reg = {(g, i) for owners in sched.owners.values() for (_, g, i) in owners}  # type: ignore[attr-defined]
+    return Outcome(list(state.num_stored_blocks), selected, lost, reg)
