@@ -384,8 +384,11 @@ def _cex_h1(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
 
 
 def _cex_h3(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
+    """Scheduled, flag set, and every CPU block pinned (in-flight stores): Phase 1a re-stores
+    nothing and the flag is gone. (With a non-zero free count short of the holes, the
+    restore's own allocation evicts again and re-sets the flag: that is H6, not H3.)"""
     return counterexample(enc, "signal-rescan", "flag", plan_scan,
-                          lambda s, st: [st.inputs["scheduled"], s.flag])
+                          lambda s, st: [st.inputs["scheduled"], s.flag, st.inputs["free"] == 0])
 
 
 def _out_of_space(s: State, st: Step) -> list[z3.BoolRef]:
