@@ -50,7 +50,7 @@ class FreeList:
         """The first ``n`` live ids at or after ring slot ``start`` and the slot after the last."""
         if n <= 0:
             return self.ring[:0], start
-        head = self.ring[start : start + n]
+        head = self.ring[start : min(self.t, start + n)]
         if head.numel() == n and bool((head >= 0).all()):
             return head.clone(), start + n
         width = n
@@ -87,8 +87,7 @@ class FreeList:
     def pop_head(self, n: int) -> torch.Tensor:
         ids, stop = self._first_live(self.h, n)
         self.pos[ids] = -1
-        self.ring[self.h : stop] = -1
-        self.h = stop
+        self.h = stop  # slots outside [h, t) are never read, so they need no clearing
         self.count -= ids.numel()
         if self.count == 0:
             self.h = self.t = self.capacity // 2
@@ -131,7 +130,6 @@ class FreeList:
 
     def _compact(self, start: int) -> None:
         live = self.order().clone()
-        self.ring[self.h : self.t] = -1
         n = live.numel()
         self.ring[start : start + n] = live
         self.pos[live] = torch.arange(start, start + n, dtype=torch.int64, device=self.device)
