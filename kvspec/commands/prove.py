@@ -1,0 +1,66 @@
+"""``kvspec prove``: discharge the Z3 proof obligations and show a table.
+
+Exit 0 only when every proof and bounded check holds, every expected counterexample is
+found and every vacuity check passes; 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+NAME = "prove"
+HELP = "run the Z3 proof obligations (proofs, bounded cross-checks, counterexamples, vacuity checks)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print a JSON list of results on stdout")
+    parser.add_argument("--quick", action="store_true", help="one KV group only (drop the two-group duplicates)")
+    parser.add_argument("-k", dest="select", default=None, metavar="TEXT",
+                        help="only obligations whose name or policy contains TEXT")
+    parser.add_argument("--list", action="store_true", help="list the obligations and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvspec.specs.obligations import PASS, Obligation, Result, catalogue, run_all
+
+    obs = catalogue(quick=args.quick)
+    if args.select:
+        obs = [ob for ob in obs if args.select in ob.name or args.select == ob.policy]
+    if args.list:
+        for ob in obs:
+            print(f"{ob.name}\t{ob.policy}\t{ob.kind}\t{ob.statement}")
+        return 0
+    if not obs:
+        print("kvspec prove: no obligation matches", file=sys.stderr)
+        return 1
+    total = len(obs)
+    done = 0
+    t0 = time.perf_counter()
+
+    def progress(ob: Obligation, res: Result | None) -> None:
+        nonlocal done
+        if res is None:
+            print(f"[{done + 1}/{total}] {ob.name} ({ob.policy}) ...", end="", file=sys.stderr, flush=True)
+            return
+        done += 1
+        mark = "ok" if res.ok else "FAILED"
+        print(f" {res.result} ({res.seconds:.2f}s) {mark}", file=sys.stderr, flush=True)
+
+    results = run_all(obs, progress)
+    elapsed = time.perf_counter() - t0
+    failed = [r for r in results if not r.ok]
+    if args.json:
+        print(json.dumps([r.to_json() for r in results], indent=2))
+    else:
+        w = max(len(r.name) for r in results)
+        print(f"{'obligation':<{w}}  {'policy':<13}  {'kind':<14}  {'result':<9}  {'expected':<9}  seconds")
+        for r in results:
+            print(f"{r.name:<{w}}  {r.policy:<13}  {r.kind:<14}  {r.result:<9}  {PASS[r.kind]:<9}  {r.seconds:7.2f}"
+                  + ("" if r.ok else f"   <- {r.detail}"))
+        print(f"{len(results) - len(failed)}/{len(results)} as expected in {elapsed:.1f}s")
+    print(f"kvspec prove: {len(results) - len(failed)}/{len(results)} as expected, {elapsed:.1f}s",
+          file=sys.stderr)
+    return 1 if failed else 0
