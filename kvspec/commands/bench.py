@@ -372,8 +372,7 @@ def run(args: argparse.Namespace) -> int:
 
             get_factory("vllm")(replace(OffloadConfig(), policy="baseline"))
         except Exception as exc:  # missing vLLM or its dependencies
-            print(f"kvspec bench: target vllm is unavailable here ({exc}); run it in the vLLM venv "
-                  "(scripts/setup-vllm-venv.sh)", file=sys.stderr)
+            print(f"kvspec bench: target vllm is unavailable: {exc}", file=sys.stderr)
             return 2
         if args.policy != "baseline":
             raise ConfigError("vLLM implements only the baseline policy")
