@@ -47,8 +47,13 @@ from typing import Any
 from kvspec.model.block_pool import NULL_BLOCK, BlockPool
 from kvspec.model.hashing import BlockKey
 from kvspec.model.hit_search import find_longest_cache_hit
+from kvspec.model.rules import ALREADY_CACHED as ALREADY_CACHED  # the store-candidate classes, re-exported
+from kvspec.model.rules import IN_FLIGHT as IN_FLIGHT
+from kvspec.model.rules import NOT_HASHED as NOT_HASHED
+from kvspec.model.rules import NULL as NULL
+from kvspec.model.rules import READY, classify_store_candidate, ready_blocks, scan_group
 
-from kvspec.errors import InvalidOperationError, UnknownEventError, UnknownRequestError
+from kvspec.errors import InvalidOperationError
 from kvspec.interfaces import (
     BlockIds,
     ConnectorMetadata,
@@ -57,12 +62,10 @@ from kvspec.interfaces import (
     RequestView,
     SchedulerOutput,
     check_block_ids,
+    check_connector_output,
     check_count,
     yield_req_data,
 )
-
-# Store-candidate classes (vLLM ``_StoreAdmission``).
-NULL, NOT_HASHED, IN_FLIGHT, ALREADY_CACHED, READY = "null", "not_hashed", "in_flight", "already_cached", "ready"
 
 
 @dataclass
@@ -359,24 +362,19 @@ class OffloadScheduler:
         for g, ids in enumerate(ids_by_group):
             if len(selected) >= free:
                 break
-            ready = self._ready_blocks(st, ids)
-            for i in range(st.num_stored_blocks[g], ready):
-                gid = self._store_source(st, g, i, ids[i])
-                if gid is None or self._classify(gid) != READY:
-                    advance[g] += 1
-                    continue
-                if len(selected) >= free:
-                    break
-                selected.append(gid)
-                advance[g] += 1
+            start = st.num_stored_blocks[g]
+            sources = [self._store_source(st, g, i, ids[i]) for i in range(start, self._ready_blocks(st, ids))]
+            picked, advance[g] = scan_group([gid is not None and self._classify(gid) == READY for gid in sources],
+                                            len(selected), free)
+            selected += [sources[k] for k in picked]  # type: ignore[misc]  # picked sources are not None
         return selected, advance
 
     # -- shared scan helpers --------------------------------------------------------------------
 
     def _ready_blocks(self, st: StoreState, ids: list[int]) -> int:
         """Confirmed full blocks: computed tokens minus output placeholders, capped at the list."""
-        confirmed = st.request.num_computed_tokens - st.request.num_output_placeholders
-        return min(len(ids), max(0, confirmed) // self.block_size)
+        return ready_blocks(st.request.num_computed_tokens, st.request.num_output_placeholders, len(ids),
+                            self.block_size)
 
     def _store_source(self, st: StoreState, g: int, i: int, gid: int) -> int | None:
         """The GPU block to store for position i: itself, or for a null entry the GPU prefix
@@ -390,17 +388,10 @@ class OffloadScheduler:
         return None if got is None else got[0]
 
     def _classify(self, gid: int) -> str:
-        """vLLM ``_classify_store_candidate``."""
-        if gid == NULL_BLOCK:
-            return NULL
-        key = self.gpu_pool.block_hash[gid]
-        if key is None:
-            return NOT_HASHED
-        if gid in self.in_flight_store_gpu_blocks:
-            return IN_FLIGHT
-        if self.cpu_pool.get_one_block(key) is not None:
-            return ALREADY_CACHED
-        return READY
+        """vLLM ``_classify_store_candidate`` (``rules.classify_store_candidate``)."""
+        key = None if gid == NULL_BLOCK else self.gpu_pool.block_hash[gid]
+        return classify_store_candidate(gid == NULL_BLOCK, key is not None, gid in self.in_flight_store_gpu_blocks,
+                                        key is not None and self.cpu_pool.get_one_block(key) is not None)
 
     # -- lazy -----------------------------------------------------------------------------------
 
@@ -432,18 +423,8 @@ class OffloadScheduler:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Load completions, then store-event counts accumulated to ``world_size``."""
-        for rid in connector_output.finished_recving:
-            if rid not in self.reqs_to_load and rid not in self.abandoned_reqs_to_load:
-                raise UnknownRequestError(f"finished_recving names {rid!r}, which has no load")
-            st = self.reqs_to_load.get(rid) or self.abandoned_reqs_to_load[rid]
-            if st.load_event is None:
-                raise InvalidOperationError(f"finished_recving names {rid!r}, whose load was never sent")
-        for e, c in connector_output.completed_store_events.items():
-            if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < self.store_event_counter:
-                raise UnknownEventError(f"store event {e!r} was never issued")
-            check_count(c, f"worker count for store event {e}", self.config.world_size)
-            if c == 0:
-                raise InvalidOperationError(f"worker count for store event {e} is 0")
+        check_connector_output(connector_output, self._load_sent, self.store_event_counter, self.config.world_size)
+        for e in connector_output.completed_store_events:
             self._check_completion_hashes(e)
         # -- all checks done; mutate --
         for rid in connector_output.finished_recving:
@@ -455,6 +436,10 @@ class OffloadScheduler:
                 self._process_store_event(e)
             else:
                 self.store_event_pending_counts[e] = total
+
+    def _load_sent(self, rid: str) -> bool | None:
+        st = self.reqs_to_load.get(rid) or self.abandoned_reqs_to_load.get(rid)
+        return None if st is None else st.load_event is not None
 
     def _check_completion_hashes(self, e: int) -> None:
         t = self.store_event_to_blocks.get(e)

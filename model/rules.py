@@ -1,0 +1,70 @@
+"""Pure rules of the store scan, shared by the scheduler and checked by CrossHair.
+
+Each function is a plain function of ints, bools and lists (no pools, no state), with
+its contract in PEP 316 docstring form (``pre:``/``post:``), which
+``crosshair check kvspec.model.rules`` verifies (tests/test_crosshair.py).
+"""
+
+from __future__ import annotations
+
+# Store-candidate classes (vLLM ``_StoreAdmission``).
+NULL, NOT_HASHED, IN_FLIGHT, ALREADY_CACHED, READY = "null", "not_hashed", "in_flight", "already_cached", "ready"
+
+
+def ready_blocks(num_computed_tokens: int, num_output_placeholders: int, num_ids: int, block_size: int) -> int:
+    """Confirmed full blocks: computed tokens minus output placeholders, in whole blocks,
+    capped at the number of ids. O(1).
+
+    pre: block_size >= 1
+    pre: num_ids >= 0
+    post: 0 <= __return__ <= num_ids
+    post: __return__ * block_size <= max(0, num_computed_tokens - num_output_placeholders)
+    post: __return__ == num_ids or (__return__ + 1) * block_size > num_computed_tokens - num_output_placeholders
+    """
+    confirmed = num_computed_tokens - num_output_placeholders
+    return min(num_ids, max(0, confirmed) // block_size)
+
+
+def classify_store_candidate(is_null: bool, hashed: bool, in_flight: bool, cached: bool) -> str:
+    """vLLM ``_classify_store_candidate``, first match wins: null, not hashed, in flight,
+    already cached on CPU, else ready to store. O(1).
+
+    post: __return__ in (NULL, NOT_HASHED, IN_FLIGHT, ALREADY_CACHED, READY)
+    post: (__return__ == READY) == (not is_null and hashed and not in_flight and not cached)
+    post: (__return__ == NULL) == is_null
+    post: __return__ != IN_FLIGHT or in_flight
+    post: __return__ != ALREADY_CACHED or (cached and not in_flight)
+    """
+    if is_null:
+        return NULL
+    if not hashed:
+        return NOT_HASHED
+    if in_flight:
+        return IN_FLIGHT
+    if cached:
+        return ALREADY_CACHED
+    return READY
+
+
+def scan_group(ready_flags: list[bool], n_selected: int, free: int) -> tuple[list[int], int]:
+    """The positional scan of one group from its cursor: ``ready_flags[k]`` says whether the
+    k-th position from the cursor is READY. Non-ready positions are passed; a READY one is
+    selected while the step's selection (``n_selected`` before this group) stays below the
+    free count, else the scan stops there without passing it. Returns the selected offsets
+    and the cursor advance. O(len(ready_flags)).
+
+    pre: n_selected >= 0
+    post: 0 <= __return__[1] <= len(ready_flags)
+    post: __return__[0] == [k for k in range(__return__[1]) if ready_flags[k]]
+    post: n_selected + len(__return__[0]) <= max(free, n_selected)
+    post: __return__[1] == len(ready_flags) or (ready_flags[__return__[1]] and n_selected + len(__return__[0]) >= free)
+    """
+    picked: list[int] = []
+    advance = 0
+    for k, is_ready in enumerate(ready_flags):
+        if is_ready:
+            if n_selected + len(picked) >= free:
+                break
+            picked.append(k)
+        advance += 1
+    return picked, advance
