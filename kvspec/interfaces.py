@@ -7,15 +7,20 @@ The dataclasses are small stand-ins for vLLM's objects with vLLM's field names.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from kvspec.errors import (
     ConfigError,
+    DoubleFreeError,
     GroupCountError,
     InvalidBlockError,
     InvalidCountError,
+    InvalidOperationError,
+    UnknownEventError,
+    UnknownRequestError,
 )
 
 POLICIES = ("baseline", "signal-rescan", "repair")
@@ -261,3 +266,40 @@ def check_count(value: object, what: str, upper: int | None = None) -> int:
     if upper is not None and value > upper:
         raise InvalidCountError(f"{what} = {value} exceeds {upper}")
     return value
+
+
+def check_pool_ids(ids: Sequence[object], num_blocks: int, pool: str, what: str, allow_null: bool = False) -> None:
+    """Block ids for a pool operation: ints in ``0..num_blocks-1``; the null block 0 only when
+    ``allow_null`` (vLLM skips it in touch/free; every caller in the modelled system filters it)."""
+    for b in ids:
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:
+            raise InvalidBlockError(f"{pool}: cannot {what} block {b!r}: ids are 0..{num_blocks - 1}")
+        if b == 0 and not allow_null:
+            raise InvalidBlockError(f"{pool}: cannot {what} the null block 0")
+
+
+def check_free_counts(ids: Sequence[int], ref_cnt: Callable[[int], int], pool: str) -> None:
+    """No block freed more often than it is referenced (vLLM would leave a negative ref count)."""
+    for b, times in Counter(ids).items():
+        ref = ref_cnt(b)
+        if times > ref:
+            raise DoubleFreeError(f"{pool}: block {b} freed {times} time(s) with ref count {ref}")
+
+
+def check_connector_output(out: KVConnectorOutput, load_sent: Callable[[str], bool | None],
+                           store_event_counter: int, world_size: int) -> None:
+    """Worker reports: each ``finished_recving`` names a request whose load was sent
+    (``load_sent`` returns None when it has no load); each store event was issued and
+    its count is 1..world_size."""
+    for rid in out.finished_recving:
+        sent = load_sent(rid)
+        if sent is None:
+            raise UnknownRequestError(f"finished_recving names {rid!r}, which has no load")
+        if not sent:
+            raise InvalidOperationError(f"finished_recving names {rid!r}, whose load was never sent")
+    for e, c in out.completed_store_events.items():
+        if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < store_event_counter:
+            raise UnknownEventError(f"store event {e!r} was never issued")
+        check_count(c, f"worker count for store event {e}", world_size)
+        if c == 0:
+            raise InvalidOperationError(f"worker count for store event {e} is 0")

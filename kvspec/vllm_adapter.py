@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -43,14 +42,11 @@ from typing import Any
 
 from kvspec.errors import (
     ConfigError,
-    DoubleFreeError,
     InvalidBlockError,
     InvalidCountError,
     InvalidOperationError,
     KVSpecError,
     OutOfBlocksError,
-    UnknownEventError,
-    UnknownRequestError,
 )
 from kvspec.interfaces import (
     BlockIds,
@@ -60,7 +56,10 @@ from kvspec.interfaces import (
     RequestView,
     SchedulerOutput,
     check_block_ids,
+    check_connector_output,
     check_count,
+    check_free_counts,
+    check_pool_ids,
     yield_req_data,
 )
 
@@ -205,11 +204,7 @@ class VllmPool:
     def free_blocks(self, block_ids: Iterable[int]) -> None:
         ids = list(block_ids)
         self._validate(ids, "free")
-        for b, times in Counter(ids).items():
-            if times > self.pool.blocks[b].ref_cnt:
-                raise DoubleFreeError(
-                    f"{self.name}: block {b} freed {times} time(s) with ref count {self.pool.blocks[b].ref_cnt}"
-                )
+        check_free_counts(ids, lambda b: self.pool.blocks[b].ref_cnt, self.name)
         self.pool.free_blocks([self.pool.blocks[b] for b in ids])
 
     def insert_block_hash(self, key: Key, block_id: int) -> None:
@@ -247,11 +242,7 @@ class VllmPool:
         return pool_snapshot(self.pool)
 
     def _validate(self, ids: Sequence[int], what: str, allow_null: bool = False) -> None:
-        for b in ids:
-            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < self.num_blocks:
-                raise InvalidBlockError(f"{self.name}: cannot {what} block {b!r}: ids are 0..{self.num_blocks - 1}")
-            if b == NULL_BLOCK and not allow_null:
-                raise InvalidBlockError(f"{self.name}: cannot {what} the null block 0")
+        check_pool_ids(ids, self.num_blocks, self.name, what, allow_null)
 
 
 VllmGpuPool = VllmPool
@@ -485,18 +476,13 @@ class VllmTarget:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         mgr = self.manager
-        for rid in connector_output.finished_recving:
+
+        def load_sent(rid: str) -> bool | None:
             st = mgr._reqs_to_load.get(rid) or mgr._abandoned_reqs_to_load.get(rid)
-            if st is None:
-                raise UnknownRequestError(f"finished_recving names {rid!r}, which has no load")
-            if st.load_event is None:
-                raise InvalidOperationError(f"finished_recving names {rid!r}, whose load was never sent")
-        for e, c in connector_output.completed_store_events.items():
-            if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < mgr._store_event_counter:
-                raise UnknownEventError(f"store event {e!r} was never issued")
-            check_count(c, f"worker count for store event {e}", self.config.world_size)
-            if c == 0:
-                raise InvalidOperationError(f"worker count for store event {e} is 0")
+            return None if st is None else st.load_event is not None
+
+        check_connector_output(connector_output, load_sent, mgr._store_event_counter, self.config.world_size)
+        for e in connector_output.completed_store_events:
             t = mgr._store_event_to_blocks.get(e)
             for g in t.gpu_block_ids if t is not None else ():
                 if self.gpu_pool.pool.blocks[g].block_hash is None:

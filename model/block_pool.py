@@ -27,7 +27,6 @@ the modelled system filters it first), a free below ref count 0 (``DoubleFreeErr
 or ``n`` beyond the free count. Every check runs before any change.
 """
 
-from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,12 +34,8 @@ from kvspec.model.free_queue import FreeBlockQueue
 from kvspec.model.hashing import BlockKey, key_str
 from kvspec.model.prefix_map import PrefixMap
 
-from kvspec.errors import (
-    DoubleFreeError,
-    InvalidBlockError,
-    InvalidCountError,
-    OutOfBlocksError,
-)
+from kvspec.errors import InvalidBlockError, InvalidCountError, OutOfBlocksError
+from kvspec.interfaces import check_free_counts, check_pool_ids
 
 NULL_BLOCK = 0
 
@@ -108,11 +103,7 @@ class BlockPool:
         """-1 ref per listing, in order; zero-ref blocks: fresh to the head, cached to the tail. O(len)."""
         ids = list(block_ids)
         self._validate(ids, "free")
-        for b, times in Counter(ids).items():
-            if times > self.ref_cnt[b]:
-                raise DoubleFreeError(
-                    f"{self.name}: block {b} freed {times} time(s) with ref count {self.ref_cnt[b]}"
-                )
+        check_free_counts(ids, self.ref_cnt.__getitem__, self.name)
         fresh: list[int] = []
         cached: list[int] = []
         for b in ids:
@@ -171,11 +162,7 @@ class BlockPool:
         return False
 
     def _validate(self, ids: list[int], what: str, allow_null: bool = False) -> None:
-        for b in ids:
-            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < self.num_blocks:
-                raise InvalidBlockError(f"{self.name}: cannot {what} block {b!r}: ids are 0..{self.num_blocks - 1}")
-            if b == NULL_BLOCK and not allow_null:
-                raise InvalidBlockError(f"{self.name}: cannot {what} the null block 0")
+        check_pool_ids(ids, self.num_blocks, self.name, what, allow_null)
 
     # -- observation -----------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ from kvspec.model.rules import NOT_HASHED as NOT_HASHED
 from kvspec.model.rules import NULL as NULL
 from kvspec.model.rules import READY, classify_store_candidate, ready_blocks, scan_group
 
-from kvspec.errors import InvalidOperationError, UnknownEventError, UnknownRequestError
+from kvspec.errors import InvalidOperationError
 from kvspec.interfaces import (
     BlockIds,
     ConnectorMetadata,
@@ -62,6 +62,7 @@ from kvspec.interfaces import (
     RequestView,
     SchedulerOutput,
     check_block_ids,
+    check_connector_output,
     check_count,
     yield_req_data,
 )
@@ -422,18 +423,8 @@ class OffloadScheduler:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Load completions, then store-event counts accumulated to ``world_size``."""
-        for rid in connector_output.finished_recving:
-            if rid not in self.reqs_to_load and rid not in self.abandoned_reqs_to_load:
-                raise UnknownRequestError(f"finished_recving names {rid!r}, which has no load")
-            st = self.reqs_to_load.get(rid) or self.abandoned_reqs_to_load[rid]
-            if st.load_event is None:
-                raise InvalidOperationError(f"finished_recving names {rid!r}, whose load was never sent")
-        for e, c in connector_output.completed_store_events.items():
-            if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < self.store_event_counter:
-                raise UnknownEventError(f"store event {e!r} was never issued")
-            check_count(c, f"worker count for store event {e}", self.config.world_size)
-            if c == 0:
-                raise InvalidOperationError(f"worker count for store event {e} is 0")
+        check_connector_output(connector_output, self._load_sent, self.store_event_counter, self.config.world_size)
+        for e in connector_output.completed_store_events:
             self._check_completion_hashes(e)
         # -- all checks done; mutate --
         for rid in connector_output.finished_recving:
@@ -445,6 +436,10 @@ class OffloadScheduler:
                 self._process_store_event(e)
             else:
                 self.store_event_pending_counts[e] = total
+
+    def _load_sent(self, rid: str) -> bool | None:
+        st = self.reqs_to_load.get(rid) or self.abandoned_reqs_to_load.get(rid)
+        return None if st is None else st.load_event is not None
 
     def _check_completion_hashes(self, e: int) -> None:
         t = self.store_event_to_blocks.get(e)
