@@ -1,0 +1,100 @@
+"""CrossHair contracts on the model's free queue and hit search.
+
+``FreeBlockQueue`` is a small class and the hit-search functions take a pool object, so
+their contracts are stated here, on thin pure wrappers that build the model's own
+objects from plain lists and call the model's code. (The pure scan rules carry their
+contracts in ``kvspec.model.rules`` itself.) ``crosshair check kvspec.specs.contracts``
+searches for inputs that break a ``post:`` (tests/test_crosshair.py).
+"""
+
+from __future__ import annotations
+
+from kvspec.model.free_queue import FreeBlockQueue
+from kvspec.model.hit_search import full_attention_hit, sliding_window_hit
+
+
+def queue_pop(ids: list[int], n: int) -> tuple[list[int], list[int]]:
+    """``popleft_n`` takes the ``n`` oldest blocks, head first, and keeps the rest in order.
+
+    pre: len(set(ids)) == len(ids)
+    pre: 0 <= n <= len(ids)
+    post: __return__ == (ids[:n], ids[n:])
+    """
+    q = FreeBlockQueue(ids)
+    got = q.popleft_n(n)
+    return got, list(q)
+
+
+def queue_free(ids: list[int], fresh: list[int], cached: list[int]) -> list[int]:
+    """``free_blocks``'s queue rule: fresh (unhashed) blocks go to the head in list order,
+    cached ones to the tail in list order.
+
+    pre: len(set(ids + fresh + cached)) == len(ids) + len(fresh) + len(cached)
+    post: __return__ == fresh + ids + cached
+    """
+    q = FreeBlockQueue(ids)
+    q.prepend_n(fresh)
+    q.append_n(cached)
+    return list(q)
+
+
+def queue_remove(ids: list[int], k: int) -> list[int]:
+    """``remove`` (a touch of a free block) unlinks it and keeps the others' order.
+
+    pre: len(set(ids)) == len(ids)
+    pre: 0 <= k < len(ids)
+    post: __return__ == ids[:k] + ids[k + 1:]
+    """
+    q = FreeBlockQueue(ids)
+    q.remove(ids[k])
+    return list(q)
+
+
+def queue_after(ids: list[int], k: int) -> list[int]:
+    """``iter_after`` (the lazy cursor's walk) yields the blocks after the cursor block.
+
+    pre: len(set(ids)) == len(ids)
+    pre: 0 <= k < len(ids)
+    post: __return__ == ids[k + 1:]
+    """
+    return list(FreeBlockQueue(ids).iter_after(ids[k]))
+
+
+class _Pool:
+    """A prefix cache holding one block per cached hash (block id = hash + 1, never null)."""
+
+    def __init__(self, cached: list[int]) -> None:
+        self.cached = cached
+
+    def get_cached_block(self, block_hash: str, group_ids: list[int]) -> list[int] | None:
+        h = int(block_hash)
+        return [h + 1 for _ in group_ids] if h in self.cached else None
+
+
+def full_hit(cached: list[int], hashes: list[int], max_blocks: int) -> int:
+    """Full attention: the hit is the longest run of cached hashes from index 0, at most
+    ``max_blocks``.
+
+    pre: all(h >= 0 for h in hashes)
+    pre: max_blocks >= 0
+    post: 0 <= __return__ <= min(max_blocks, len(hashes))
+    post: all(h in cached for h in hashes[:__return__])
+    post: __return__ == min(max_blocks, len(hashes)) or hashes[__return__] not in cached
+    """
+    got = full_attention_hit(_Pool(cached), [str(h) for h in hashes], max_blocks, [0])
+    return len(got[0])
+
+
+def window_hit(cached: list[int], hashes: list[int], max_blocks: int, window: int) -> list[int]:
+    """Sliding window: the hit ends with a run of cached blocks (nulls before it), each
+    non-null entry is the cached block of its position, and the hit never exceeds the cap.
+
+    pre: all(h >= 0 for h in hashes)
+    pre: max_blocks >= 0
+    pre: 1 <= window <= 4
+    post: len(__return__) <= min(max_blocks, len(hashes))
+    post: all(b == 0 or (hashes[i] in cached and b == hashes[i] + 1) for i, b in enumerate(__return__))
+    post: len(__return__) == 0 or __return__[-1] != 0
+    """
+    got = sliding_window_hit(_Pool(cached), [str(h) for h in hashes], max_blocks, [0], window, 1)
+    return got[0]
