@@ -293,3 +293,58 @@ def model_plan(policy: str, st: Small) -> Outcome:
         lost = {(g, i) for (_, g, i) in sched.lost}  # type: ignore[attr-defined]
         reg = {(g, i) for owners in sched.owners.values() for (_, g, i) in owners}  # type: ignore[attr-defined]
     return Outcome(list(state.num_stored_blocks), selected, lost, reg)
+
+
+# -- eviction ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Evicted:
+    cached: set[tuple[int, int]]  # positions whose key is still cached on CPU
+    lost: set[tuple[int, int]]
+    flag: bool
+
+
+def model_evict(policy: str, st: Small, n: int) -> Evicted:
+    """Allocate ``n`` CPU blocks through the scheduler's allocation path (``_cpu_alloc``) on
+    ``st``: the free queue is spare blocks first, then the cached copies in position order."""
+    sched, _ = build_model(policy, st)
+    sched._cpu_alloc(n)
+    cells = [(g, i) for g, ps in enumerate(st.groups) for i, p in enumerate(ps) if p.hashed]
+    length = max((len(ps) for ps in st.groups), default=0)
+    hashes = [f"h{i}" for i in range(length)]
+
+    def key(g: int, i: int) -> tuple[str, int]:
+        return (hashes[i], g) if st.groups[g][i].owned else (f"x{g}.{i}", g)
+
+    cached = {(g, i) for g, i in cells if sched.cpu_pool.get_one_block(key(g, i)) is not None}
+    lost = {(g, i) for (_, g, i) in getattr(sched, "lost", {})}
+    return Evicted(cached, lost, bool(getattr(sched, "eviction_flag", False)))
+
+
+def evict_agrees(policy: str, st: Small, got: Evicted) -> tuple[bool, bool]:
+    """(the Z3 eviction relation admits the model's successor, and given which keys left the
+    CPU it forces exactly the model's records and flag)."""
+    M = max((len(ps) for ps in st.groups), default=0)
+    enc = Unrolled(len(st.groups), M)
+    s = _concrete_state(st)
+    step = evict(enc, policy, s)
+    cells = [(g, i) for g in range(enc.G) for i in range(M)]
+    sv = z3.Solver()
+    sv.set("random_seed", 7)
+    sv.set("rlimit", 20_000_000)
+    sv.add(*step.constraints)
+    sv.add(*[enc.v(step.post, g, "cached", i) == ((g, i) in got.cached) for g, i in cells])
+    observed = [enc.v(step.post, g, "lost", i) == ((g, i) in got.lost) for g, i in cells]
+    if policy == "signal-rescan":
+        observed.append(step.post.flag == got.flag)
+    sv.push()
+    sv.add(*observed)
+    admitted = sv.check() == z3.sat
+    sv.pop()
+    if policy == "signal-rescan" and not got.flag:
+        # the abstraction lets keys outside the request leave too (any of them sets the flag);
+        # with none of the request's keys gone, "flag stays clear" is admitted, not forced
+        observed.pop()
+    sv.add(z3.Not(z3.And(observed)) if observed else z3.BoolVal(False))
+    return admitted, sv.check() == z3.unsat

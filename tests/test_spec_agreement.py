@@ -40,6 +40,8 @@ from kvspec.specs.concrete import (
     Outcome,
     Pos,
     Small,
+    evict_agrees,
+    model_evict,
     model_plan,
     repair_phase_admits,
     repair_phase_z3,
@@ -161,3 +163,31 @@ def test_repair_phase_every_small_state() -> None:
                         assert repair_phase_admits(s, False, m), f"{s}: model {m}"
                     n += 1
     assert n > 500
+
+
+# -- eviction ------------------------------------------------------------------------------------
+
+_EVICT_KINDS = (
+    OWNED_CACHED,
+    Pos(hashed=True, owned=True, cached=True, cfree=True, reg=True),  # indexed owner (repair R1)
+    Pos(hashed=True, cached=True, cfree=True),  # someone else's key
+    OWNED,
+)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_eviction_every_small_state(policy: str) -> None:
+    """Every allocation size on every state of N <= 3 positions: the keys that leave the CPU
+    determine, in Z3 and in the model alike, the new lost records (repair: exactly the
+    indexed owners below the cursor) and the flag (signal-rescan: set iff something left)."""
+    n = 0
+    for size in range(4):
+        for ks in itertools.product(_EVICT_KINDS, repeat=size):
+            for cur in range(size + 1):
+                s = Small([list(ks)], [cur], size, 1)
+                for k in range(s.free + 1):
+                    got = model_evict(policy, s, k)
+                    admitted, forced = evict_agrees(policy, s, got)
+                    assert admitted and forced, f"{policy} {s} alloc {k}: model {got}"
+                    n += 1
+    assert n > 300
