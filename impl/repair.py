@@ -288,12 +288,16 @@ class RepairPolicy(BaselinePolicy):
             occ, g_t, p_t = lay[0], lay[1], lay[2]
             counts = torch.bincount(occ, minlength=k).tolist()
             gid = st.table[sl[occ], g_t, p_t]
-            for x in slots:
+            busy = [x for x, c in zip(slots, counts, strict=True) if c]  # slots with candidates, in order
+            for x in busy:
                 st.sync_hids(x)
-            hcount = int_tensor([st.hid_count(x) for x in slots], dev)
-            hrow = st.hid_rows(sl)
-            has = p_t < hcount[occ]
-            want = torch.where(has, hrow[occ, p_t.clamp(max=hrow.shape[1] - 1)] * G + g_t, -2)
+            # candidates come grouped by request, so their rank among the busy slots is a repeat
+            bocc = torch.repeat_interleave(torch.arange(len(busy), device=dev),
+                                           int_tensor([c for c in counts if c], dev))
+            hcount = int_tensor([st.hid_count(x) for x in busy], dev)
+            hrow = st.hid_rows(int_tensor(busy, dev))
+            has = p_t < hcount[bocc]
+            want = torch.where(has, hrow[bocc, p_t.clamp(max=hrow.shape[1] - 1)] * G + g_t, -2)
             owned = (gid != 0) & (s.gpu_pool.key[gid] == want) & (s.gpu_pool.ref[gid] >= 1)
             if self.sliding_groups:
                 comp = int_tensor([r.num_computed_tokens for r in reqs], dev)
@@ -315,6 +319,9 @@ class RepairPolicy(BaselinePolicy):
         sensitive: dict[int, int] = {}  # key -> last request whose decisions read it
         i0 = 0
         for i in range(k):
+            if not counts[i] and not self.sliding_groups:
+                plans.append(None)  # nothing to scan, retire or record
+                continue
             rid, slot = rids[i], slots[i]
             retire: list[int] = []
             floors: list[tuple[int, int]] = []
@@ -381,7 +388,7 @@ class RepairPolicy(BaselinePolicy):
             plans.append((retire, floors, regs, judged, pins, selected, sel_keys, advance))
 
         # -- simulate the allocations on the free list; find where the batch must end
-        K_all = sum(len(pl[5]) for pl in plans)
+        K_all = sum(len(pl[5]) for pl in plans if pl is not None)
         cut = k
         popped_by: list[list[tuple[int, int]]] = [[] for _ in range(k)]
         if K_all:
@@ -391,6 +398,8 @@ class RepairPolicy(BaselinePolicy):
             removed: set[int] = set()
             evicted_at: dict[int, int] = {}
             for i in range(k):
+                if plans[i] is None:
+                    continue
                 removed.update(c for c in plans[i][4] if pinned.get(c) == i)
                 need = len(plans[i][5])
                 while need:
@@ -413,11 +422,12 @@ class RepairPolicy(BaselinePolicy):
         plans = plans[:cut]
 
         # -- commit the first ``cut`` requests
-        pins_all = [c for pl in plans for c in pl[4]]
+        plans = [(i, pl) for i, pl in enumerate(plans) if pl is not None]
+        pins_all = [c for _, pl in plans for c in pl[4]]
         if pins_all:
             s.cpu_pool.touch_t(int_tensor(pins_all, dev))
             self.held.extend(pins_all)
-        sel_all = [b for pl in plans for b in pl[5]]
+        sel_all = [b for _, pl in plans for b in pl[5]]
         ev_first: dict[int, int] = {}
         if sel_all:
             cpu, _, ev_k = s.cpu_pool.alloc(len(sel_all))
@@ -430,7 +440,7 @@ class RepairPolicy(BaselinePolicy):
             batch.gpu.append(gsel)
             batch.cpu.append(cpu)
         owners, owned_keys = self.owners, self.owned_keys
-        for i, (retire, floors, regs, judged, _pins, selected, sel_keys, advance) in enumerate(plans):
+        for i, (retire, floors, regs, judged, _pins, selected, sel_keys, advance) in plans:
             rid, slot = rids[i], slots[i]
             for kid in retire:
                 self.retired[kid] = None
