@@ -281,7 +281,7 @@ class RepairPolicy(BaselinePolicy):
         reqs = [st.request[x] for x in slots]
         cur = st.cursor[sl]
         ready = s._ready(reqs, st.length[sl])
-        cur_l = cur.tolist()
+        cur_l = cur.tolist() if self.sliding_groups else []
         lay = layout(cur, ready, False)
         counts = [0] * k
         if lay is not None:
@@ -308,6 +308,9 @@ class RepairPolicy(BaselinePolicy):
             s.cpu_pool.index.ensure(s.keys.key_capacity)
             cblock = s.cpu_pool.index.first_known(okey)
             cfree = (cblock >= 0) & (s.cpu_pool.ref[cblock.clamp(min=0)] == 0)
+            if not self.sliding_groups and self._commit_if_all_fit(
+                    rids, sl, lay, (gid, owned, okey, cblock, cfree), batch):
+                return k
             g_l, p_l, gid_l = g_t.tolist(), p_t.tolist(), gid.tolist()
             owned_l, okey_l, cblock_l, cfree_l = owned.tolist(), okey.tolist(), cblock.tolist(), cfree.tolist()
 
@@ -469,6 +472,80 @@ class RepairPolicy(BaselinePolicy):
             self._adv.clear()
         return cut
 
+
+    def _commit_if_all_fit(self, rids: list[str], sl: torch.Tensor, lay: tuple[torch.Tensor, ...],
+                           facts: tuple[torch.Tensor, ...], batch: StepBatch) -> bool:
+        """The usual batch, decided with tensor ops and committed whole; False (nothing changed)
+        sends the batch to the request-by-request pass.
+
+        It applies when no scan stops early (the batch's selections plus the free CPU blocks it
+        pins fit the free count) and the allocation can affect no decision of the batch (it
+        pops no block the batch pins and no key the batch reads, and no key twice). Then every
+        candidate is passed; owned ones are in flight (a key in flight, or selected earlier in
+        the batch), already cached (pinned) or selected; evictions are recorded in pop order.
+        No sliding groups (their retirements are per request).
+        """
+        s = self.s
+        dev = s.device
+        occ, g_t, p_t, n1 = lay[0], lay[1], lay[2], lay[5]
+        gid, owned, okey, cblock, cfree = facts
+        rest = owned
+        if self.in_flight_keys:
+            rest = owned & ~torch.isin(okey, int_tensor(list(self.in_flight_keys), dev))
+        cached = rest & (cblock >= 0)
+        fi = (rest & (cblock < 0)).nonzero().flatten()
+        if fi.numel() > 1:  # the first candidate of a key is selected; later ones see it in flight
+            uk, inv = torch.unique(okey[fi], return_inverse=True)
+            if uk.numel() < fi.numel():
+                at = torch.arange(fi.numel(), device=dev)
+                first = torch.full_like(uk, fi.numel()).scatter_reduce_(0, inv, at, reduce="amin")
+                fi = fi[first[inv] == at]
+        pins = cblock[cached]
+        free_pins = pins[cfree[cached]].unique()
+        n_sel = fi.numel()
+        if n_sel + free_pins.numel() > s.cpu_pool.free.count:
+            return False
+        if n_sel:
+            popped = s.cpu_pool.free.peek_head(n_sel)
+            pk = s.cpu_pool.key[popped]
+            pk = pk[pk >= 0]
+            if (bool(torch.isin(popped, free_pins).any()) or bool(torch.isin(pk, okey[owned]).any())
+                    or pk.unique().numel() < pk.numel()):
+                return False
+        if pins.numel():
+            s.cpu_pool.touch_t(pins)
+            self.held.extend(pins.tolist())
+        ev_k = pins[:0]
+        if n_sel:
+            gsel = gid[fi]
+            cpu, _, ev_k = s.cpu_pool.alloc(n_sel)
+            s.in_flight[gsel] = True
+            s.gpu_pool.touch_t(gsel)
+            batch.gpu.append(gsel)
+            batch.cpu.append(cpu)
+            batch.req_ids.extend(map(rids.__getitem__, torch.unique_consecutive(occ[fi]).tolist()))
+        oi = owned.nonzero().flatten()
+        owners, owned_keys = self.owners, self.owned_keys
+        last, mine = -1, []
+        for kid, g, p, o in zip(okey[oi].tolist(), g_t[oi].tolist(), p_t[oi].tolist(), occ[oi].tolist(),
+                                strict=True):
+            if o != last:
+                last, mine = o, owned_keys.setdefault(rids[o], [])
+            pos = (rids[o], g, p)
+            own = owners.get(kid)
+            if own is None:
+                own = owners[kid] = {}
+            if pos not in own:
+                own[pos] = None
+                mine.append(kid)
+        self.judged_cached.update(okey[cached].tolist())
+        ifk = self.in_flight_keys
+        for kid in okey[fi].tolist():
+            ifk[kid] = ifk.get(kid, 0) + 1
+        s.stores.cursor.index_put_((sl,), n1, accumulate=True)
+        if ev_k.numel():
+            self._record_evictions(ev_k.tolist(), s.cpu_pool.first_of(ev_k).tolist())
+        return True
 
     def plan_eager(self, out: SchedulerOutput, batch: StepBatch) -> None:
         s = self.s
