@@ -8,21 +8,21 @@ its contract in PEP 316 docstring form (``pre:``/``post:``), which
 from __future__ import annotations
 
 # Store-candidate classes (vLLM ``_StoreAdmission``).
-NULL, NOT_HASHED, IN_FLIGHT, ALREADY_CACHED, READY = "null", "not_hashed", "in_flight", "already_cached", "ready"
+NULL, NOT_HASHED, IN_FLIGHT = "null", "not_hashed", "in_flight"
+ALREADY_CACHED, READY = "already_cached", "ready"
 
 
-def ready_blocks(num_computed_tokens: int, num_output_placeholders: int, num_ids: int, block_size: int) -> int:
-    """Confirmed full blocks: computed tokens minus output placeholders, in whole blocks,
-    capped at the number of ids. O(1).
+def ready_blocks(computed: int, placeholders: int, num_ids: int, block_size: int) -> int:
+    """Confirmed full blocks: ``computed`` tokens minus output ``placeholders``, in whole
+    blocks, capped at the number of ids. O(1).
 
     pre: block_size >= 1
     pre: num_ids >= 0
     post: 0 <= __return__ <= num_ids
-    post: __return__ * block_size <= max(0, num_computed_tokens - num_output_placeholders)
-    post: __return__ == num_ids or (__return__ + 1) * block_size > num_computed_tokens - num_output_placeholders
+    post: __return__ * block_size <= max(0, computed - placeholders)
+    post: __return__ == num_ids or (__return__ + 1) * block_size > computed - placeholders
     """
-    confirmed = num_computed_tokens - num_output_placeholders
-    return min(num_ids, max(0, confirmed) // block_size)
+    return min(num_ids, max(0, computed - placeholders) // block_size)
 
 
 def classify_store_candidate(is_null: bool, hashed: bool, in_flight: bool, cached: bool) -> str:
@@ -46,24 +46,24 @@ def classify_store_candidate(is_null: bool, hashed: bool, in_flight: bool, cache
     return READY
 
 
-def scan_group(ready_flags: list[bool], n_selected: int, free: int) -> tuple[list[int], int]:
-    """The positional scan of one group from its cursor: ``ready_flags[k]`` says whether the
-    k-th position from the cursor is READY. Non-ready positions are passed; a READY one is
-    selected while the step's selection (``n_selected`` before this group) stays below the
-    free count, else the scan stops there without passing it. Returns the selected offsets
-    and the cursor advance. O(len(ready_flags)).
+def scan_group(flags: list[bool], taken: int, free: int) -> tuple[list[int], int]:
+    """The positional scan of one group from its cursor: ``flags[k]`` says whether the k-th
+    position from the cursor is READY. Non-ready positions are passed; a READY one is
+    selected while the step's selection (``taken`` before this group) stays below the free
+    count, else the scan stops there without passing it. Returns the selected offsets and
+    the cursor advance. O(len(flags)).
 
-    pre: n_selected >= 0
-    post: 0 <= __return__[1] <= len(ready_flags)
-    post: __return__[0] == [k for k in range(__return__[1]) if ready_flags[k]]
-    post: n_selected + len(__return__[0]) <= max(free, n_selected)
-    post: __return__[1] == len(ready_flags) or (ready_flags[__return__[1]] and n_selected + len(__return__[0]) >= free)
+    pre: taken >= 0
+    post: 0 <= __return__[1] <= len(flags)
+    post: __return__[0] == [k for k in range(__return__[1]) if flags[k]]
+    post: taken + len(__return__[0]) <= max(free, taken)
+    post: __return__[1] == len(flags) or (flags[__return__[1]] and taken + len(__return__[0]) >= free)
     """
     picked: list[int] = []
     advance = 0
-    for k, is_ready in enumerate(ready_flags):
+    for k, is_ready in enumerate(flags):
         if is_ready:
-            if n_selected + len(picked) >= free:
+            if taken + len(picked) >= free:
                 break
             picked.append(k)
         advance += 1

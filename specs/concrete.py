@@ -185,7 +185,8 @@ def repair_phase_z3(st: Small, room: bool) -> tuple[Outcome, bool]:
     assert sv.check() == z3.sat, "the repair phase has no successor"
     m = sv.model()
     rest = {(g, i) for g, i in cells if z3.is_true(m.eval(step.restored[g](i), model_completion=True))}
-    lost = {(g, i) for g, i in cells if z3.is_true(m.eval(enc.v(step.post, g, "lost", i), model_completion=True))}
+    lost = {(g, i) for g, i in cells
+            if z3.is_true(m.eval(enc.v(step.post, g, "lost", i), model_completion=True))}
     sv.add(z3.Or([step.restored[g](i) != z3.BoolVal((g, i) in rest) for g, i in cells]
                  + [enc.v(step.post, g, "lost", i) != z3.BoolVal((g, i) in lost) for g, i in cells]
                  + [z3.BoolVal(False)]))
@@ -291,7 +292,8 @@ def model_plan(policy: str, st: Small) -> Outcome:
     reg: set[tuple[int, int]] = set()
     if policy == "repair":
         lost = {(g, i) for (_, g, i) in sched.lost}  # type: ignore[attr-defined]
-        reg = {(g, i) for owners in sched.owners.values() for (_, g, i) in owners}  # type: ignore[attr-defined]
+        owners_index = sched.owners  # type: ignore[attr-defined]
+        reg = {(g, i) for owners in owners_index.values() for (_, g, i) in owners}
     return Outcome(list(state.num_stored_blocks), selected, lost, reg)
 
 

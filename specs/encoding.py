@@ -1,6 +1,6 @@
 """Z3 encodings of one request's store bookkeeping: state, planning step, coverage transitions.
 
-The abstraction (SPEC.md has the full mapping to the model):
+The abstraction (PROOFS.md beside this file has the full mapping to the model):
 
 * One *focal* request with ``G`` KV groups. Per group: the length ``N`` of its
   accumulated GPU-id list, its cursor ``cur``, and per position ``p`` the booleans
@@ -93,7 +93,7 @@ class Scan:
     cur: list[z3.ArithRef]
     sel: list[Callable[[Any], z3.BoolRef]]  # position selected by the positional scan (Phase 1b)
     rescan: list[Callable[[Any], z3.BoolRef]] = field(default_factory=list)  # Phase 1a selections
-    axioms: list[Callable[[Any], z3.BoolRef]] = field(default_factory=list)  # bodies of its ForAll constraints
+    axioms: list[Callable[[Any], z3.BoolRef]] = field(default_factory=list)  # bodies of its ForAlls
 
     def ground(self, points: range) -> list[z3.BoolRef]:
         """Instances of the quantified constraints at ``points``: implied by them, so adding
@@ -233,7 +233,8 @@ class Quant(Encoding):
                 cons += ax
                 do_a = z3.And(scanned, rescan)
 
-                def sel_a(p: Any, ca: Any = ca, end: Any = end, rdy: Any = rdy, do_a: Any = do_a) -> z3.BoolRef:
+                def sel_a(p: Any, ca: Any = ca, end: Any = end, rdy: Any = rdy,
+                          do_a: Any = do_a) -> z3.BoolRef:
                     return z3.And(do_a, p >= 0, p < end, rdy(p), ca(p) < free)
 
                 resels.append(sel_a)
@@ -251,7 +252,8 @@ class Quant(Encoding):
             stop = (lambda cb_, r, q: lambda p: z3.And(z3.Or(r(p), q(p)), cb_(p) >= free))(cb, rdy, pin)
             p = z3.Int(_fresh("p"))
 
-            def no_stop(p: Any, cur: Any = cur, c2: Any = c2, stop: Any = stop, scanned: Any = scanned) -> z3.BoolRef:
+            def no_stop(p: Any, cur: Any = cur, c2: Any = c2, stop: Any = stop,
+                        scanned: Any = scanned) -> z3.BoolRef:
                 return z3.Implies(z3.And(scanned, cur <= p, p < c2), z3.Not(stop(p)))
 
             axioms.append(no_stop)
@@ -259,7 +261,8 @@ class Quant(Encoding):
                      z3.If(scanned, z3.And(cur <= c2, c2 <= hi, z3.Implies(c2 < hi, stop(c2))), c2 == cur)]
             curs.append(c2)
 
-            def sel_b(p: Any, cur: Any = cur, c2: Any = c2, rdy: Any = rdy, scanned: Any = scanned) -> z3.BoolRef:
+            def sel_b(p: Any, cur: Any = cur, c2: Any = c2, rdy: Any = rdy,
+                      scanned: Any = scanned) -> z3.BoolRef:
                 return z3.And(scanned, cur <= p, p < c2, rdy(p))
 
             sels.append(sel_b)
@@ -301,7 +304,8 @@ class Unrolled(Encoding):
             if policy == "signal-rescan":
                 do_a = z3.And(scanned, rescan)
                 for i in range(self.M):
-                    take = z3.And(do_a, i < cur, i < ready, self.ready_to_store(policy, s, g, i), count < free)
+                    rdy_a = self.ready_to_store(policy, s, g, i)
+                    take = z3.And(do_a, i < cur, i < ready, rdy_a, count < free)
                     sel_a[i] = take
                     count = count + z3.If(take, 1, 0)
             stopped: z3.BoolRef = z3.BoolVal(False)

@@ -231,12 +231,16 @@ def cross_request_dedup() -> tuple[str, str, dict[str, Any]]:
     candidates are taken one per key in record order (A's, then B's), and a re-store needs
     an uncovered key. Then no key is re-stored twice and every re-stored key is a lost
     key, so re-stores <= distinct lost keys."""
-    a_lost, b_lost = z3.Array("A.lost", z3.IntSort(), z3.BoolSort()), z3.Array("B.lost", z3.IntSort(), z3.BoolSort())
-    a_key, b_key = z3.Array("A.key", z3.IntSort(), z3.IntSort()), z3.Array("B.key", z3.IntSort(), z3.IntSort())
-    covered = z3.Array("covered", z3.IntSort(), z3.BoolSort())  # by key
+    def bools(name: str) -> z3.ArrayRef:
+        return z3.Array(name, z3.IntSort(), z3.BoolSort())
+
+    a_lost, b_lost = bools("A.lost"), bools("B.lost")
+    a_key = z3.Array("A.key", z3.IntSort(), z3.IntSort())
+    b_key = z3.Array("B.key", z3.IntSort(), z3.IntSort())
+    covered = bools("covered")  # by key
     na, nb = z3.Ints("A.N B.N")
     p, q, r = z3.Ints("p q r")
-    a_rest, b_rest = z3.Array("A.rest", z3.IntSort(), z3.BoolSort()), z3.Array("B.rest", z3.IntSort(), z3.BoolSort())
+    a_rest, b_rest = bools("A.rest"), bools("B.rest")
 
     def cand_a(i: Any) -> z3.BoolRef:
         return z3.And(0 <= i, i < na, a_lost[i], z3.Not(covered[a_key[i]]))
@@ -402,14 +406,16 @@ def _cex_h3(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
 
 def _out_of_space(s: State, st: Step) -> list[z3.BoolRef]:
     """The scan stops early: some confirmed position is left for later."""
-    return [st.inputs["scheduled"], st.post.groups[0].cur < z3.If(s.conf < s.groups[0].n, s.conf, s.groups[0].n),
+    g0 = s.groups[0]
+    return [st.inputs["scheduled"], st.post.groups[0].cur < z3.If(s.conf < g0.n, s.conf, g0.n),
             st.post.groups[0].cur > s.groups[0].cur]
 
 
 def _group_skipped(s: State, st: Step) -> list[z3.BoolRef]:
     """Two groups: the first uses up the free count, the second is not advanced although it has work."""
     g1 = s.groups[1]
-    return [st.inputs["scheduled"], g1.cur < z3.If(s.conf < g1.n, s.conf, g1.n), st.post.groups[1].cur == g1.cur,
+    return [st.inputs["scheduled"], g1.cur < z3.If(s.conf < g1.n, s.conf, g1.n),
+            st.post.groups[1].cur == g1.cur,
             st.post.groups[0].cur > s.groups[0].cur]
 
 
@@ -449,9 +455,11 @@ def catalogue(quick: bool = False) -> list[Obligation]:
     # expected counterexamples (the FIXME and the #47235 hazards)
     obs.append(Obligation("completeness-c1:T2", "baseline", "counterexample", lambda: _cex_t2(Quant(1)),
                           "an eviction below the cursor leaves a hole C1 reports"))
-    obs.append(Obligation("completeness-flag:H1", "signal-rescan", "counterexample", lambda: _cex_h1(Quant(1)),
+    obs.append(Obligation("completeness-flag:H1", "signal-rescan", "counterexample",
+                          lambda: _cex_h1(Quant(1)),
                           "the flag is consumed while the request is not scheduled"))
-    obs.append(Obligation("completeness-flag:H3", "signal-rescan", "counterexample", lambda: _cex_h3(Quant(1)),
+    obs.append(Obligation("completeness-flag:H3", "signal-rescan", "counterexample",
+                          lambda: _cex_h3(Quant(1)),
                           "Phase 1a runs out of CPU space; the flag is gone"))
     # bounded cross-checks: a second, quantifier-free encoding with N <= BOUND
     for pol in ("baseline", "signal-rescan", "repair"):
@@ -461,7 +469,7 @@ def catalogue(quick: bool = False) -> list[Obligation]:
                               lambda pol=pol: monotone(Unrolled(1, BOUND), pol)))
         obs.append(Obligation(f"bounded:scans-agree[N<={BOUND}]", pol, "bounded",
                               lambda pol=pol: scans_agree(pol, 1)))
-        if not quick and pol != "signal-rescan":  # see SPEC.md: left to the agreement tests
+        if not quick and pol != "signal-rescan":  # see PROOFS.md: left to the agreement tests
             obs.append(Obligation(f"bounded:scans-agree[N<={BOUND_G2},G=2]", pol, "bounded",
                                   lambda pol=pol: scans_agree(pol, 2, BOUND_G2)))
     obs.append(Obligation(f"bounded:completeness-c2[N<={BOUND}]", "repair", "bounded",
@@ -482,17 +490,20 @@ def catalogue(quick: bool = False) -> list[Obligation]:
                           "C1 (no pending records) is not an invariant of repair"))
     obs.append(Obligation("vacuity:cursor-below-ready", "repair", "vacuity",
                           lambda: refuted(Quant(1), "repair",
-                                          lambda e, s: z3.Or(s.groups[0].cur == 0, s.groups[0].cur < e.ready(s, 0))),
+                                          lambda e, s: z3.Or(s.groups[0].cur == 0,
+                                                             s.groups[0].cur < e.ready(s, 0))),
                           "a too-strong cursor bound is refuted"))
     obs.append(Obligation("vacuity:baseline-unsound", "baseline", "vacuity",
                           lambda: _baseline_stores_unowned(Quant(1)),
                           "the baseline scan can store a position the request does not own (H4)"))
     for pol in ("baseline", "signal-rescan", "repair"):
         obs.append(Obligation("vacuity:out-of-space", pol, "vacuity",
-                              lambda pol=pol: witness(Quant(1), pol, plan_scan, _out_of_space, use_hint=True)))
+                              lambda pol=pol: witness(Quant(1), pol, plan_scan, _out_of_space,
+                                                      use_hint=True)))
         if not quick:
             obs.append(Obligation("vacuity:group-skipped[G=2]", pol, "vacuity",
-                                  lambda pol=pol: witness(Quant(2), pol, plan_scan, _group_skipped, use_hint=True)))
+                                  lambda pol=pol: witness(Quant(2), pol, plan_scan, _group_skipped,
+                                                          use_hint=True)))
     obs.append(Obligation("vacuity:lost-record", "repair", "vacuity",
                           lambda: witness(Quant(1), "repair", evict, _lost_record, prop="c2")))
     return obs
@@ -502,7 +513,8 @@ def _baseline_stores_unowned(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
     s, st = _step(enc, "baseline", plan_scan)
     assert st.scan is not None
     p = z3.Int("witness_p")
-    r, _ = _sat([inv_for("bounds", enc, s), *st.constraints, st.scan.sel[0](p), z3.Not(enc.v(s, 0, "owned", p))])
+    r, _ = _sat([inv_for("bounds", enc, s), *st.constraints, st.scan.sel[0](p),
+                 z3.Not(enc.v(s, 0, "owned", p))])
     return ("ok" if r == "sat" else "vacuous"), r, {}
 
 

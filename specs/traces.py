@@ -94,4 +94,8 @@ def trace_h3(cex: dict[str, Any]) -> tuple[OffloadConfig, list[dict[str, Any]]]:
     return cfg, ops
 
 
-BUILDERS = {"completeness-c1:T2": trace_t2, "completeness-flag:H1": trace_h1, "completeness-flag:H3": trace_h3}
+BUILDERS = {
+    "completeness-c1:T2": trace_t2,
+    "completeness-flag:H1": trace_h1,
+    "completeness-flag:H3": trace_h3,
+}

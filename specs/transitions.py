@@ -81,7 +81,8 @@ def repair_phase(enc: Encoding, policy: str, s: State) -> Step:
                           z3.Not(enc.covered(s, g, p)))
 
         cons.append(enc.forall(lambda p, g=g, rest=rest, w=wanted: z3.Implies(enc.at(rest, p), w(p))))
-        cons.append(z3.Implies(room, enc.forall(lambda p, rest=rest, w=wanted: z3.Implies(w(p), enc.at(rest, p)))))
+        every = enc.forall(lambda p, rest=rest, w=wanted: z3.Implies(w(p), enc.at(rest, p)))
+        cons.append(z3.Implies(room, every))
         post = post.with_group(
             g,
             infl=enc.table(lambda p, g=g, rest=rest: z3.Or(enc.v(s, g, "infl", p), enc.at(rest, p))),
@@ -105,13 +106,15 @@ def evict(enc: Encoding, policy: str, s: State) -> Step:
         cons.append(enc.forall(lambda p, g=g, ev=ev: z3.Implies(
             enc.at(ev, p), z3.And(enc.v(s, g, "cached", p), enc.v(s, g, "cfree", p), any_evicted))))
         upd = {
-            "cached": enc.table(lambda p, g=g, ev=ev: z3.And(enc.v(s, g, "cached", p), z3.Not(enc.at(ev, p)))),
+            "cached": enc.table(lambda p, g=g, ev=ev: z3.And(enc.v(s, g, "cached", p),
+                                                             z3.Not(enc.at(ev, p)))),
             "cfree": enc.table(lambda p, g=g, ev=ev: z3.And(enc.v(s, g, "cfree", p), z3.Not(enc.at(ev, p)))),
         }
         if policy == "repair":
             upd["lost"] = enc.table(lambda p, g=g, ev=ev: z3.Or(
                 enc.v(s, g, "lost", p),
-                z3.And(enc.at(ev, p), s.active, enc.below(s, g, p), enc.ownh(s, g, p), enc.v(s, g, "reg", p))))
+                z3.And(enc.at(ev, p), s.active, enc.below(s, g, p), enc.ownh(s, g, p),
+                       enc.v(s, g, "reg", p))))
         post = post.with_group(g, **upd)
     if policy == "signal-rescan":
         post = replace_flag(post, z3.Or(s.flag, any_evicted))
@@ -243,7 +246,8 @@ def reset(enc: Encoding, policy: str, s: State) -> Step:
     cons: list[z3.BoolRef] = []
     for g in range(enc.G):
         cached2 = _havoc(enc, f"cached{g}")
-        cons.append(enc.forall(lambda p, g=g, c2=cached2: z3.Implies(enc.at(c2, p), enc.v(s, g, "cached", p))))
+        cons.append(enc.forall(lambda p, g=g, c2=cached2: z3.Implies(enc.at(c2, p),
+                                                                     enc.v(s, g, "cached", p))))
         post = post.with_group(g, cur=z3.IntVal(0), cached=cached2,
                                infl=enc.table(lambda p: z3.BoolVal(False)),
                                lost=enc.table(lambda p: z3.BoolVal(False)),
@@ -282,7 +286,8 @@ def init(enc: Encoding, policy: str, s: State) -> z3.BoolRef:
     parts = [enc.wf(s), s.active, z3.Not(s.flag)]
     for g in range(enc.G):
         parts += [s.groups[g].n == 0, s.groups[g].cur == 0,
-                  enc.forall(lambda p, g=g: z3.And(z3.Not(enc.v(s, g, "lost", p)), z3.Not(enc.v(s, g, "reg", p))))]
+                  enc.forall(lambda p, g=g: z3.And(z3.Not(enc.v(s, g, "lost", p)),
+                                                   z3.Not(enc.v(s, g, "reg", p))))]
     return z3.And(parts)
 
 

@@ -17,7 +17,8 @@ HELP = "run the Z3 proof obligations (proofs, bounded cross-checks, counterexamp
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON list of results on stdout")
-    parser.add_argument("--quick", action="store_true", help="one KV group only (drop the two-group duplicates)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one KV group only (drop the two-group duplicates)")
     parser.add_argument("-k", dest="select", default=None, metavar="TEXT",
                         help="only obligations whose name or policy contains TEXT")
     parser.add_argument("--list", action="store_true", help="list the obligations and exit")
@@ -58,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
         w = max(len(r.name) for r in results)
         print(f"{'obligation':<{w}}  {'policy':<13}  {'kind':<14}  {'result':<9}  {'expected':<9}  seconds")
         for r in results:
-            print(f"{r.name:<{w}}  {r.policy:<13}  {r.kind:<14}  {r.result:<9}  {PASS[r.kind]:<9}  {r.seconds:7.2f}"
-                  + ("" if r.ok else f"   <- {r.detail}"))
+            row = f"{r.name:<{w}}  {r.policy:<13}  {r.kind:<14}  {r.result:<9}  {PASS[r.kind]:<9}"
+            row += f"  {r.seconds:7.2f}"
+            print(row + ("" if r.ok else f"   <- {r.detail}"))
         print(f"{len(results) - len(failed)}/{len(results)} as expected in {elapsed:.1f}s")
     print(f"kvspec prove: {len(results) - len(failed)}/{len(results)} as expected, {elapsed:.1f}s",
           file=sys.stderr)
