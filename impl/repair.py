@@ -283,6 +283,8 @@ class RepairPolicy(BaselinePolicy):
         ready = s._ready(reqs, st.length[sl])
         cur_l = cur.tolist() if self.sliding_groups else []
         lay = layout(cur, ready, False)
+        if lay is None and not self.sliding_groups:
+            return k  # nothing to scan or retire
         counts = [0] * k
         if lay is not None:
             occ, g_t, p_t = lay[0], lay[1], lay[2]
@@ -295,7 +297,7 @@ class RepairPolicy(BaselinePolicy):
             bocc = torch.repeat_interleave(torch.arange(len(busy), device=dev),
                                            int_tensor([c for c in counts if c], dev))
             hcount = int_tensor([st.hid_count(x) for x in busy], dev)
-            hrow = st.hid_rows(int_tensor(busy, dev))
+            hrow = st.hid_rows(busy)
             has = p_t < hcount[bocc]
             want = torch.where(has, hrow[bocc, p_t.clamp(max=hrow.shape[1] - 1)] * G + g_t, -2)
             owned = (gid != 0) & (s.gpu_pool.key[gid] == want) & (s.gpu_pool.ref[gid] >= 1)

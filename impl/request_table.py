@@ -152,21 +152,30 @@ class StoreTable:
     def hid_count(self, slot: int) -> int:
         return len(self.hids[slot])
 
-    def hid_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """``[len(slots), width]`` hash ids of the slots' requests (``sync_hids`` first)."""
-        need = max((len(self.hids[s]) for s in slots.tolist()), default=0)
+    def hid_rows(self, slots: list[int]) -> torch.Tensor:
+        """``[len(slots), width]`` hash ids of the slots' requests (``sync_hids`` first); the
+        entries synced since the last call are copied in with one scatter."""
+        need = max((len(self.hids[s]) for s in slots), default=0)
         rows, cols = self.hid_tab.shape
         if rows < self.cursor.shape[0] or cols < need:
             grown = torch.zeros((self.cursor.shape[0], max(cols, need, 2 * cols if need > cols else 0)),
                                 dtype=torch.int64, device=self.device)
             grown[:rows, :cols] = self.hid_tab
             self.hid_tab = grown
-        for s in slots.tolist():
+        at_s: list[int] = []
+        at_p: list[int] = []
+        new: list[int] = []
+        for s in slots:
             have, done = self.hids[s], self._hid_written[s]
             if len(have) > done:
-                self.hid_tab[s, done : len(have)] = int_tensor(have[done:], self.device)
+                at_s += [s] * (len(have) - done)
+                at_p += range(done, len(have))
+                new += have[done:]
                 self._hid_written[s] = len(have)
-        return self.hid_tab[slots]
+        idx = int_tensor(slots, self.device)
+        if new:
+            self.hid_tab[int_tensor(at_s, self.device), int_tensor(at_p, self.device)] = int_tensor(new, self.device)
+        return self.hid_tab[idx]
 
     def sync_hids(self, slot: int) -> list[int]:
         """The hash ids of the slot's request's ``block_hashes`` (interning new ones)."""
