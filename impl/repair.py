@@ -289,17 +289,10 @@ class RepairPolicy(BaselinePolicy):
         if lay is not None:
             occ, g_t, p_t = lay[0], lay[1], lay[2]
             counts = torch.bincount(occ, minlength=k).tolist()
-            gid = st.table[sl[occ], g_t, p_t]
-            busy = [x for x, c in zip(slots, counts, strict=True) if c]  # slots with candidates, in order
-            for x in busy:
-                st.sync_hids(x)
-            # candidates come grouped by request, so their rank among the busy slots is a repeat
-            bocc = torch.repeat_interleave(torch.arange(len(busy), device=dev),
-                                           int_tensor([c for c in counts if c], dev))
-            hcount = int_tensor([st.hid_count(x) for x in busy], dev)
-            hrow = st.hid_rows(busy)
-            has = p_t < hcount[bocc]
-            want = torch.where(has, hrow[bocc, p_t.clamp(max=hrow.shape[1] - 1)] * G + g_t, -2)
+            sl_occ = sl[occ]
+            gid = st.table[sl_occ, g_t, p_t]
+            hid = st.hash_ids_at(sl_occ, p_t)
+            want = torch.where(hid >= 0, hid * G + g_t, -2)
             owned = (gid != 0) & (s.gpu_pool.key[gid] == want) & (s.gpu_pool.ref[gid] >= 1)
             if self.sliding_groups:
                 comp = int_tensor([r.num_computed_tokens for r in reqs], dev)

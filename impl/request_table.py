@@ -41,7 +41,7 @@ class StoreTable:
         self.hids: list[list[int]] = []
         self._free_slots: list[int] = []
         self.hid_tab = torch.zeros((0, 16), dtype=torch.int64, device=device)  # hash ids per slot
-        self._hid_written: list[int] = []  # per slot: entries of ``hids`` copied into ``hid_tab``
+        self.hid_len = torch.zeros(0, dtype=torch.int64, device=device)  # per slot: entries copied in
         self.num_finished = 0  # slots whose request finished with store events pending
         self.version = 0  # bumped whenever a slot's request or finished flag changes
 
@@ -67,14 +67,13 @@ class StoreTable:
             self.events.append(set())
             self.finished.append(False)
             self.hids.append([])
-            self._hid_written.append(0)
         self.slot_of[rid] = s
         self.rid[s] = rid
         self.request[s] = request
         self.events[s] = set()
         self.finished[s] = False
         self.hids[s] = []
-        self._hid_written[s] = 0
+        self.hid_len[s] = 0
         self.cursor[s] = 0
         self.length[s] = 0
         return s
@@ -95,7 +94,7 @@ class StoreTable:
         self.request[s] = None
         self.events[s] = set()
         self.hids[s] = []
-        self._hid_written[s] = 0
+        self.hid_len[s] = 0
         self._free_slots.append(s)
         return s
 
@@ -108,6 +107,8 @@ class StoreTable:
         self.cursor = torch.cat([self.cursor, self.cursor.new_zeros((pad, self.G))])
         self.length = torch.cat([self.length, self.length.new_zeros((pad, self.G))])
         self.table = torch.cat([self.table, self.table.new_zeros((pad, self.G, self.capacity))])
+        self.hid_len = torch.cat([self.hid_len, self.hid_len.new_zeros(pad)])
+        self.hid_tab = torch.cat([self.hid_tab, self.hid_tab.new_zeros((pad, self.hid_tab.shape[1]))])
 
     def _grow_columns(self, need: int) -> None:
         cap = max(need, 2 * self.capacity)
@@ -149,33 +150,35 @@ class StoreTable:
     def ids(self, slot: int, g: int) -> list[int]:
         return self.table[slot, g, : int(self.length[slot, g])].tolist()
 
-    def hid_count(self, slot: int) -> int:
-        return len(self.hids[slot])
+    def hash_ids_at(self, slots: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Per (slot, position) pair: the hash id of ``block_hashes[p]`` of the slot's request, -1
+        where it has none. Only slots whose copied hash ids end before an asked position are
+        synced (``sync_hids``) and copied in (one scatter)."""
+        short = p >= self.hid_len[slots]
+        if bool(short.any()):
+            self._copy_hids(torch.unique(slots[short]).tolist())
+            short = p >= self.hid_len[slots]
+        return torch.where(short, -1, self.hid_tab[slots, p.clamp(max=self.hid_tab.shape[1] - 1)])
 
-    def hid_rows(self, slots: list[int]) -> torch.Tensor:
-        """``[len(slots), width]`` hash ids of the slots' requests (``sync_hids`` first); the
-        entries synced since the last call are copied in with one scatter."""
-        need = max((len(self.hids[s]) for s in slots), default=0)
-        rows, cols = self.hid_tab.shape
-        if rows < self.cursor.shape[0] or cols < need:
-            grown = torch.zeros((self.cursor.shape[0], max(cols, need, 2 * cols if need > cols else 0)),
-                                dtype=torch.int64, device=self.device)
-            grown[:rows, :cols] = self.hid_tab
-            self.hid_tab = grown
+    def _copy_hids(self, slots: list[int]) -> None:
+        done = self.hid_len[int_tensor(slots, self.device)].tolist()
+        have = [self.sync_hids(s) for s in slots]
+        need = max(map(len, have))
+        if need > self.hid_tab.shape[1]:
+            wider = self.hid_tab.new_zeros((self.hid_tab.shape[0], max(need, 2 * self.hid_tab.shape[1])))
+            wider[:, : self.hid_tab.shape[1]] = self.hid_tab
+            self.hid_tab = wider
         at_s: list[int] = []
         at_p: list[int] = []
         new: list[int] = []
-        for s in slots:
-            have, done = self.hids[s], self._hid_written[s]
-            if len(have) > done:
-                at_s += [s] * (len(have) - done)
-                at_p += range(done, len(have))
-                new += have[done:]
-                self._hid_written[s] = len(have)
-        idx = int_tensor(slots, self.device)
+        for s, h, d in zip(slots, have, done, strict=True):
+            at_s += [s] * (len(h) - d)
+            at_p += range(d, len(h))
+            new += h[d:]
         if new:
-            self.hid_tab[int_tensor(at_s, self.device), int_tensor(at_p, self.device)] = int_tensor(new, self.device)
-        return self.hid_tab[idx]
+            dev = self.device
+            self.hid_tab[int_tensor(at_s, dev), int_tensor(at_p, dev)] = int_tensor(new, dev)
+        self.hid_len[int_tensor(slots, self.device)] = int_tensor(list(map(len, have)), self.device)
 
     def sync_hids(self, slot: int) -> list[int]:
         """The hash ids of the slot's request's ``block_hashes`` (interning new ones)."""
