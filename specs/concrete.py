@@ -17,6 +17,7 @@ The tests compare the two; ``tests/test_spec_agreement.py`` says which states.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,30 +96,54 @@ def _true(e: Any) -> bool:
     return z3.is_true(v)
 
 
-def scan_unrolled(policy: str, st: Small) -> Outcome:
-    """The planning step of the unrolled encoding (``plan_scan``) built over concrete values,
-    its inputs substituted, every result simplified to a constant."""
-    M = max((len(ps) for ps in st.groups), default=0)
-    assert all(len(ps) == M for ps in st.groups), "the unrolled evaluation wants equal lengths"
-    enc = Unrolled(len(st.groups), M)
-    s = _concrete_state(st)
+@functools.lru_cache(maxsize=64)
+def _unrolled_plan(policy: str, G: int, M: int) -> tuple[State, Any, Any, z3.ArithRef, int]:
+    """The unrolled ``plan_scan`` built once over symbolic inputs, its outputs packed into one
+    integer term: cell bits (selected, owner index, lost record) and then 8 bits per cursor."""
+    enc = Unrolled(G, M)
+    s = enc.state("e")
     step = plan_scan(enc, policy, s)
     assert step.scan is not None
-    subst = [(step.inputs["free"], z3.IntVal(st.free)), (step.inputs["scheduled"], z3.BoolVal(st.scheduled))]
+    bits: list[z3.BoolRef] = []
+    for g in range(G):
+        for i in range(M):
+            bits += [z3.Or(step.scan.sel[g](i), step.scan.rescan[g](i)), enc.v(step.post, g, "reg", i),
+                     enc.v(step.post, g, "lost", i)]
+    packed: z3.ArithRef = z3.IntVal(0)
+    for j, b in enumerate(bits):
+        packed = packed + z3.If(b, 1 << j, 0)
+    for g, grp in enumerate(step.post.groups):
+        packed = packed + grp.cur * (1 << (len(bits) + 8 * g))
+    return s, step.inputs["free"], step.inputs["scheduled"], packed, len(bits)
 
-    def val(e: Any) -> Any:
-        v = z3.simplify(z3.substitute(e, *subst))
-        if z3.is_int_value(v):
-            return v.as_long()
-        assert z3.is_true(v) or z3.is_false(v), f"not concrete: {v}"
-        return z3.is_true(v)
 
-    cells = [(g, i) for g in range(enc.G) for i in range(M)]
-    cursors = [val(grp.cur) for grp in step.post.groups]
-    selected = {(g, i) for g, i in cells if val(z3.Or(step.scan.sel[g](i), step.scan.rescan[g](i)))}
-    reg = {(g, i) for g, i in cells if val(enc.v(step.post, g, "reg", i))}
-    lost = {(g, i) for g, i in cells if val(enc.v(step.post, g, "lost", i))}
-    return Outcome(cursors, selected, lost, reg)
+def scan_unrolled(policy: str, st: Small) -> Outcome:
+    """The planning step of the unrolled encoding (``plan_scan``) on ``st``: every variable of
+    the symbolic term is substituted by its concrete value and the term simplified to a
+    constant (one term per policy and shape, built once)."""
+    M = max((len(ps) for ps in st.groups), default=0)
+    assert all(len(ps) == M for ps in st.groups), "the unrolled evaluation wants equal lengths"
+    G = len(st.groups)
+    s, free, scheduled, packed, nbits = _unrolled_plan(policy, G, M)
+    pairs: list[tuple[Any, Any]] = [(s.conf, z3.IntVal(st.conf)), (s.flag, z3.BoolVal(st.flag)),
+                                    (s.active, z3.BoolVal(st.active)), (free, z3.IntVal(st.free)),
+                                    (scheduled, z3.BoolVal(st.scheduled))]
+    for g, ps in enumerate(st.groups):
+        grp = s.groups[g]
+        pairs += [(grp.n, z3.IntVal(M)), (grp.cur, z3.IntVal(st.cursors[g]))]
+        for a in ARRAYS:
+            pairs += [(grp.arr[a][i], z3.BoolVal(getattr(p, a))) for i, p in enumerate(ps)]
+    value = z3.simplify(z3.substitute(packed, *pairs))
+    assert z3.is_int_value(value), f"not concrete: {value}"
+    v = value.as_long()
+    out = Outcome([(v >> (nbits + 8 * g)) & 0xFF for g in range(G)], set())
+    for g in range(G):
+        for i in range(M):
+            j = 3 * (g * M + i)
+            for k, target in enumerate((out.selected, out.reg, out.lost)):
+                if v >> (j + k) & 1:
+                    target.add((g, i))
+    return out
 
 
 def _pin_quant(enc: Quant, s: State, st: Small) -> list[z3.BoolRef]:

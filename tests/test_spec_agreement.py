@@ -10,12 +10,14 @@ Which states:
 
 * exhaustive, every policy: N <= 2 positions of all six kinds (null, unhashed, stale id,
   owned, owned and cached, owned and in flight), every cursor, confirmed count and
-  spare CPU block count 0..2 (and both flag values for signal-rescan);
-* exhaustive, N <= 4 over the three kinds that steer the scan (skip, store, already
+  spare CPU block count 0..2 (and both flag values for signal-rescan); N = 3 with all six
+  kinds, every cursor, spare 0..1, all confirmed;
+* exhaustive, N <= 5 over the three kinds that steer the scan (skip, store, already
   cached), every cursor and spare count 0..1, all confirmed;
 * Hypothesis beyond: N <= 6, one or two groups, any kinds, plus the quantified (symbolic
   N) encoding's unique successor on the same states;
-* the repair phase: exhaustive over N <= 3 positions with lost records.
+* the repair phase: exhaustive over N <= 3 positions with lost records;
+* eviction (every policy): exhaustive over N <= 3 positions and every allocation size.
 
 The unrolled and quantified scans are proved equal for every N <= 8 by Z3 itself
 (``bounded:scans-agree`` in ``kvspec prove``), so the chain model = unrolled = quantified
@@ -86,9 +88,17 @@ def test_every_small_state_all_kinds(policy: str) -> None:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_every_scan_shape_up_to_four(policy: str) -> None:
-    n, bad = _mismatches(policy, _states(4, (UNHASHED, OWNED, OWNED_CACHED), range(2), False, policy))
-    assert n >= 1000
+def test_every_state_of_three_positions(policy: str) -> None:
+    states = (s for s in _states(3, KINDS, range(2), False, policy) if len(s.groups[0]) == 3)
+    n, bad = _mismatches(policy, states)
+    assert n >= 1700
+    assert bad == [], "\n".join(bad[:5])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_scan_shape_up_to_five(policy: str) -> None:
+    n, bad = _mismatches(policy, _states(5, (UNHASHED, OWNED, OWNED_CACHED), range(2), False, policy))
+    assert n >= 3800
     assert bad == [], "\n".join(bad[:5])
 
 
