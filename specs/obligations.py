@@ -472,10 +472,20 @@ def catalogue(quick: bool = False) -> list[Obligation]:
         if not quick and pol != "signal-rescan":  # see PROOFS.md: left to the agreement tests
             obs.append(Obligation(f"bounded:scans-agree[N<={BOUND_G2},G=2]", pol, "bounded",
                                   lambda pol=pol: scans_agree(pol, 2, BOUND_G2)))
-    obs.append(Obligation(f"bounded:completeness-c2[N<={BOUND}]", "repair", "bounded",
-                          lambda: inductive(Unrolled(1, BOUND), "repair", "c2")))
-    obs.append(Obligation(f"bounded:soundness[N<={BOUND}]", "repair", "bounded",
-                          lambda: soundness(Unrolled(1, BOUND), "repair")))
+    for G in groups:
+        tag = "" if G == 1 else f",G={G}"
+        obs.append(Obligation(f"bounded:completeness-c2[N<={BOUND}{tag}]", "repair", "bounded",
+                              lambda G=G: inductive(Unrolled(G, BOUND), "repair", "c2")))
+        obs.append(Obligation(f"bounded:soundness[N<={BOUND}{tag}]", "repair", "bounded",
+                              lambda G=G: soundness(Unrolled(G, BOUND), "repair")))
+    if not quick:
+        for pol in ("baseline", "signal-rescan", "repair"):
+            obs.append(Obligation(f"bounded:cursor-bounds[N<={BOUND},G=2]", pol, "bounded",
+                                  lambda pol=pol: inductive(Unrolled(2, BOUND), pol, "bounds")))
+            obs.append(Obligation(f"bounded:cursor-monotone[N<={BOUND},G=2]", pol, "bounded",
+                                  lambda pol=pol: monotone(Unrolled(2, BOUND), pol)))
+    obs.append(Obligation(f"bounded:no-lookback[N<={BOUND}]", "baseline", "bounded",
+                          lambda: no_lookback(Unrolled(1, BOUND), "baseline")))
     obs.append(Obligation(f"bounded:no-amplification[N<={BOUND}]", "repair", "bounded",
                           lambda: no_amplification(Unrolled(1, BOUND))))
     obs.append(Obligation(f"bounded:completeness-c1:T2[N<={BOUND}]", "baseline", "counterexample",
