@@ -67,8 +67,13 @@ def layout(cur: torch.Tensor, ready: torch.Tensor, rescan: bool) -> tuple[torch.
         m = int(n1.max()) if n1.numel() else 0
         if m == 0:
             return None
-        occ, g, j = (torch.arange(m, device=cur.device) < n1.unsqueeze(-1)).nonzero(as_tuple=True)
-        return occ, g, cur[occ, g] + j, None, (occ if G == 1 else occ * G + g), n1
+        if m == 1:  # at most one new position per (request, group): the usual step
+            occ, g = n1.nonzero(as_tuple=True)
+            p = cur[occ, g]
+        else:
+            occ, g, j = (torch.arange(m, device=cur.device) < n1.unsqueeze(-1)).nonzero(as_tuple=True)
+            p = cur[occ, g] + j
+        return occ, g, p, None, (occ if G == 1 else occ * G + g), n1
     n0 = torch.minimum(cur, ready).clamp(min=0)
     cnt = (n0 + n1).flatten()
     total = int(cnt.sum())

@@ -41,7 +41,8 @@ class BaselinePolicy:
         for seg in segs:
             rids, slots = s.apply_segment(seg, out)
             s.plan_scan(rids, slots, batch, rescan)
-        batch.req_ids = list(dict.fromkeys(batch.req_ids))
+        if len(segs) > 1:  # a segment lists each request once; only a repeated request can repeat
+            batch.req_ids = list(dict.fromkeys(batch.req_ids))
 
     def finish_flush(self, request: RequestView, slot: int, block_ids: list[list[int]]) -> None:
         sel = self.s.flush_select(slot, block_ids)
