@@ -277,8 +277,7 @@ class RepairPolicy(BaselinePolicy):
         G, B = s.G, s.B
         k = len(slots)
         dev = s.device
-        sl = int_tensor(slots, dev)
-        reqs = [st.request[x] for x in slots]
+        sl, reqs = s.batch_requests(slots)
         cur = st.cursor[sl]
         ready = s._ready(reqs, st.length[sl])
         cur_l = cur.tolist() if self.sliding_groups else []

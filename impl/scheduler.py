@@ -355,16 +355,19 @@ class TensorOffloadScheduler:
             cut = self._plan_batch(rids, slots, batch, rescan)
             rids, slots = rids[cut:], slots[cut:]
 
-    def _plan_batch(self, rids: list[str], slots: list[int], batch: StepBatch, rescan: bool) -> int:
-        st = self.stores
-        k = len(slots)
+    def batch_requests(self, slots: list[int]) -> tuple[torch.Tensor, list[Any]]:
+        """The slots as a tensor and their request objects (kept while the running batch is unchanged)."""
         memo = self._memo
         if memo is not None and slots is memo[2]:
             if self._memo_sl is None:
-                self._memo_sl = (int_tensor(slots, self.device), list(map(st.request.__getitem__, slots)))
-            sl, reqs = self._memo_sl
-        else:
-            sl, reqs = int_tensor(slots, self.device), list(map(st.request.__getitem__, slots))
+                self._memo_sl = (int_tensor(slots, self.device), list(map(self.stores.request.__getitem__, slots)))
+            return self._memo_sl
+        return int_tensor(slots, self.device), list(map(self.stores.request.__getitem__, slots))
+
+    def _plan_batch(self, rids: list[str], slots: list[int], batch: StepBatch, rescan: bool) -> int:
+        st = self.stores
+        k = len(slots)
+        sl, reqs = self.batch_requests(slots)
         cur = st.cursor[sl]
         ready = self._ready(reqs, st.length[sl])
         lay = layout(cur, ready, rescan)
