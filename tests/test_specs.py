@@ -122,7 +122,7 @@ def test_prove_table_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["prove", "-k", "no-lookback"]) == 0
     cap = capsys.readouterr()
     assert "no-lookback" in cap.out and "holds" in cap.out
-    assert "[1/1]" in cap.err
+    assert "[1/2] no-lookback (baseline) ..." in cap.err and "kvspec prove: 2/2 as expected" in cap.err
 
 
 def test_prove_exit_code_on_failure(monkeypatch: pytest.MonkeyPatch) -> None:
