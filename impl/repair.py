@@ -520,17 +520,20 @@ class RepairPolicy(BaselinePolicy):
             batch.req_ids.extend(map(rids.__getitem__, torch.unique_consecutive(occ[fi]).tolist()))
         oi = owned.nonzero().flatten()
         owners, owned_keys = self.owners, self.owned_keys
-        last, mine = -1, []
-        for kid, g, p, o in zip(okey[oi].tolist(), g_t[oi].tolist(), p_t[oi].tolist(), occ[oi].tolist(),
-                                strict=True):
-            if o != last:
-                last, mine = o, owned_keys.setdefault(rids[o], [])
-            pos = (rids[o], g, p)
+        positions = zip(map(rids.__getitem__, occ[oi].tolist()), g_t[oi].tolist(), p_t[oi].tolist(),
+                        strict=True)
+        for kid, pos in zip(okey[oi].tolist(), positions, strict=True):
             own = owners.get(kid)
             if own is None:
-                own = owners[kid] = {}
-            if pos not in own:
+                owners[kid] = {pos: None}
+            elif pos in own:
+                continue
+            else:
                 own[pos] = None
+            mine = owned_keys.get(pos[0])
+            if mine is None:
+                owned_keys[pos[0]] = [kid]
+            else:
                 mine.append(kid)
         self.judged_cached.update(okey[cached].tolist())
         ifk = self.in_flight_keys
