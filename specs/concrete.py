@@ -27,7 +27,7 @@ from kvspec.model.scheduler import OffloadScheduler, StoreState
 from kvspec.specs.encoding import ARRAYS, Group, Quant, State, Unrolled
 from kvspec.specs.transitions import Step, evict, plan_scan, repair_phase
 
-from kvspec.interfaces import CachedRequestData, KVGroup, OffloadConfig, SchedulerOutput
+from kvspec.interfaces import CachedRequestData, KVGroup, NewRequestData, OffloadConfig, SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -375,3 +375,84 @@ def evict_agrees(policy: str, st: Small, got: Evicted) -> tuple[bool, bool]:
         observed.pop()
     sv.add(z3.Not(z3.And(observed)) if observed else z3.BoolVal(False))
     return admitted, sv.check() == z3.unsat
+
+
+# -- bookkeeping transitions: preemption, full tables, finish, reset -----------------------------
+
+
+@dataclass
+class Book:
+    cursors: list[int] | None  # None: the request has no store state any more
+    lengths: list[int] | None
+    lost: set[tuple[int, int]]
+    infl: set[tuple[int, int]]
+    active: bool
+
+
+def model_bookkeeping(policy: str, st: Small, what: str, extra: int = 0) -> Book:
+    """Apply one bookkeeping transition to ``st`` through the model's public entry points:
+    ``preempt`` (a step listing R in ``preempted_req_ids``), ``full-table`` (R scheduled as a
+    new request whose table extends its ids by ``extra`` blocks), ``finish``
+    (``request_finished``) or ``reset``."""
+    sched, where = build_model(policy, st)
+    st_r = sched.reqs_to_store["R"]
+    if what == "preempt":
+        sched.build_connector_meta(SchedulerOutput(preempted_req_ids={"R"}))
+    elif what == "full-table":
+        table = tuple([*ids, *sched.gpu_pool.get_new_blocks(extra)] for ids in st_r.block_ids)
+        sched.build_connector_meta(SchedulerOutput(scheduled_new_reqs=[NewRequestData("R", table)],
+                                                   num_scheduled_tokens={"R": 0}))
+    elif what == "finish":
+        sched.request_finished(st_r.request)
+    elif what == "reset":
+        sched.reset()
+    else:
+        raise ValueError(what)
+    now = sched.reqs_to_store.get("R")
+    lost = {(g, i) for (_, g, i) in getattr(sched, "lost", {})}
+    infl = {where[b] for b in sched.in_flight_store_gpu_blocks if b in where}
+    if now is None or now.finished:
+        return Book(None, None, lost, infl, False)
+    return Book(list(now.num_stored_blocks), [len(ids) for ids in now.block_ids], lost, infl, True)
+
+
+def bookkeeping_agrees(policy: str, st: Small, what: str, got: Book) -> bool:
+    """Does the Z3 transition (``preempt``, ``loaded-full-table``, ``finish``, ``reset``) admit
+    the model's outcome? A request without store state reads as cursor 0 (reset) or inactive."""
+    from kvspec.specs.transitions import finish, loaded_full_table, preempt, reset
+
+    fn = {"preempt": preempt, "full-table": loaded_full_table, "finish": finish, "reset": reset}[what]
+    M = max((len(ps) for ps in st.groups), default=0) + 2
+    enc = Unrolled(len(st.groups), M)
+    s = enc.state("b")
+    step = fn(enc, policy, s)
+    sv = z3.Solver()
+    sv.set("random_seed", 7)
+    sv.set("rlimit", 20_000_000)
+    sv.add(*step.constraints, s.conf == st.conf, s.active == st.active, s.flag == st.flag)
+    if policy == "repair" and what in ("preempt", "full-table"):
+        # these arrive through build_connector_meta, whose repair phase runs every step
+        # (and the eviction its allocation may cause, see repair_phase_admits)
+        rp = repair_phase(enc, policy, step.post)
+        ev = evict(enc, policy, rp.post)
+        sv.add(*rp.constraints, *ev.constraints)
+        step = Step(ev.post, step.constraints + rp.constraints + ev.constraints)
+    for g, ps in enumerate(st.groups):
+        grp = s.groups[g]
+        sv.add(grp.n == len(ps), grp.cur == st.cursors[g])
+        for a in ARRAYS:
+            sv.add(*[grp.arr[a][i] == getattr(p, a) for i, p in enumerate(ps)])
+        post = step.post.groups[g]
+        if got.cursors is not None:
+            sv.add(post.cur == got.cursors[g])
+            assert got.lengths is not None
+            sv.add(post.n == got.lengths[g])
+        elif what == "reset":
+            sv.add(post.cur == 0)
+        for i in range(len(ps)):
+            sv.add(enc.v(step.post, g, "lost", i) == ((g, i) in got.lost))
+            if policy == "repair" or what == "reset":
+                sv.add(enc.v(step.post, g, "infl", i) == ((g, i) in got.infl))
+    if what == "finish":
+        sv.add(step.post.active == got.active)
+    return sv.check() == z3.sat

@@ -17,7 +17,8 @@ Which states:
 * Hypothesis beyond: N <= 6, one or two groups, any kinds, plus the quantified (symbolic
   N) encoding's unique successor on the same states;
 * the repair phase: exhaustive over N <= 3 positions with lost records;
-* eviction (every policy): exhaustive over N <= 3 positions and every allocation size.
+* eviction (every policy): exhaustive over N <= 3 positions and every allocation size;
+* preemption, full table, finish, reset: exhaustive over N <= 2 (repair's full table: 3).
 
 The unrolled and quantified scans are proved equal for every N <= 8 by Z3 itself
 (``bounded:scans-agree`` in ``kvspec prove``), so the chain model = unrolled = quantified
@@ -42,7 +43,9 @@ from kvspec.specs.concrete import (
     Outcome,
     Pos,
     Small,
+    bookkeeping_agrees,
     evict_agrees,
+    model_bookkeeping,
     model_evict,
     model_plan,
     repair_phase_admits,
@@ -201,3 +204,25 @@ def test_eviction_every_small_state(policy: str) -> None:
                     assert admitted and forced, f"{policy} {s} alloc {k}: model {got}"
                     n += 1
     assert n > 300
+
+
+# -- bookkeeping: preemption, full table, finish, reset ------------------------------------------
+
+_BOOK_KINDS = (NULL, OWNED, OWNED_INFL, _with_lost(OWNED), _with_lost(OWNED_CACHED))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("what", ["preempt", "full-table", "finish", "reset"])
+def test_bookkeeping_every_small_state(policy: str, what: str) -> None:
+    """The model's preemption (ids and cursors to 0, repair drops the records), full table
+    (ids replaced, cursors kept), finish and reset land where the Z3 transition allows."""
+    n = 0
+    for size in range(4 if policy == "repair" and what == "full-table" else 3):
+        for ks in itertools.product(_BOOK_KINDS, repeat=size):
+            ps = [k if policy == "repair" else Pos(k.hashed, k.owned, k.cached, k.cfree, k.infl) for k in ks]
+            for cur in range(size + 1):
+                s = Small([ps], [cur], size, 1)
+                got = model_bookkeeping(policy, s, what, extra=1)
+                assert bookkeeping_agrees(policy, s, what, got), f"{policy} {what} {s}: model {got}"
+                n += 1
+    assert n > 80
