@@ -1,0 +1,19 @@
+"""``kvspec verify`` end to end with a small budget: every stage runs or says why not."""
+
+import json
+
+from kvspec.cli import main
+
+
+def test_verify_json(capsys):
+    rc = main(["verify", "--budget", "6", "--bug-budget", "3", "--json"])
+    res = json.loads(capsys.readouterr().out)
+    stages = {s["stage"]: s for s in res["stages"]}
+    assert rc == 0 and res["ok"]
+    assert stages["proofs"]["result"] == "pass"
+    assert stages["known-bug catalogue"]["result"] == "pass"
+    assert stages["known-bug catalogue"]["detail"].startswith("15/15")
+    for name in ("conformance model/baseline", "conformance model/repair", "impl vs model/repair"):
+        assert stages[name]["result"] == "pass" and "no violation" in stages[name]["detail"]
+    vllm = stages["vLLM 0.33.0 vs model/baseline"]
+    assert vllm["result"] in ("pass", "skipped") and vllm["detail"]
