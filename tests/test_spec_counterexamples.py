@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import z3
 from kvspec.model import make_scheduler
 from kvspec.model.engine import Engine
 from kvspec.model.invariants import check
@@ -70,3 +71,37 @@ def test_same_trace_under_repair_keeps_c2(found: dict[str, dict], name: str) -> 
     for op in ops:
         e.apply(op)
         assert check(e.snapshot(), ["C2"]) == []
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_larger_counterexamples_replay_hole_for_hole(name: str) -> None:
+    """Asked for a counterexample with a cursor of at least 3 and two holes or more, Z3 finds
+    one; its trace leaves exactly as many C1 holes in the model as the Z3 step made."""
+    from kvspec.specs import obligations as O
+    from kvspec.specs.encoding import Quant, reset_names
+    from kvspec.specs.traces import _holes
+
+    reset_names()
+    enc = Quant(1)
+
+    def bigger(s, st):
+        holes = [z3.And(st.post.groups[0].arr["owned"][i], st.post.groups[0].arr["hashed"][i],
+                        z3.Not(st.post.groups[0].arr["cached"][i]), z3.Not(st.post.groups[0].arr["infl"][i]))
+                 for i in range(3)]
+        return [s.groups[0].cur >= 3, s.groups[0].cur <= 4, z3.Sum([z3.If(h, 1, 0) for h in holes]) >= 2]
+
+    if name == "completeness-c1:T2":
+        res = O.counterexample(enc, "baseline", "c1", O.evict, bigger)
+    elif name == "completeness-flag:H1":
+        res = O.counterexample(enc, "signal-rescan", "flag", O.plan_scan,
+                               lambda s, st: [z3.Not(st.inputs["scheduled"]), *bigger(s, st)])
+    else:
+        res = O.counterexample(enc, "signal-rescan", "flag", O.plan_scan,
+                               lambda s, st: [st.inputs["scheduled"], s.flag, st.inputs["free"] == 0,
+                                              *bigger(s, st)])
+    assert res[0] == "found", res
+    cex = res[2]
+    cfg, ops = BUILDERS[name](cex)
+    _, per_op = _replay(cfg, ops)
+    expected = min(_holes(cex), 4) if name.endswith("H3") else min(_holes(cex), min(cex["pre.cur0"], 4))
+    assert len(per_op[-1]) == expected >= 2
