@@ -120,15 +120,15 @@ class RepairPolicy(BaselinePolicy):
         judged = self.judged_cached
         if judged:
             self.self_evictions += sum(1 for k in kl if k in judged)
-        retired = self.retired
-        for kid, f in zip(kl, firsts, strict=True):
-            if f < 0:
-                retired.pop(kid, None)
-        for kid, f in zip(kl, firsts, strict=True):
-            if f >= 0 or kid not in self.owners or not self._is_live(kid):
-                continue
-            for pos in self.owners[kid]:
-                self.lost.setdefault(pos, kid)
+        owners, retired = self.owners, self.retired
+        gone = [kid for kid, f in zip(kl, firsts, strict=True) if f < 0]  # cached nowhere on the CPU now
+        if retired:
+            for kid in retired.keys() & set(gone):
+                del retired[kid]
+        for kid in [kid for kid in gone if kid in owners]:
+            if self._is_live(kid):
+                for pos in owners[kid]:
+                    self.lost.setdefault(pos, kid)
 
     def _drop_request(self, rid: str) -> None:
         """The request owns nothing any more: drop its records, retire its keys."""
