@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             importlib.import_module("vllm")
         except (ConfigError, ImportError) as exc:
             return None, f"vLLM not installed here ({exc.__class__.__name__})"
-        return _campaign("baseline", factory, make_scheduler, share / 2, args.seed)
+        return _campaign("baseline", factory, make_scheduler, share, args.seed)
 
     _stage(rows, "vLLM 0.33.0 vs model/baseline", vllm, quiet)
     failed = any(r["result"] == "FAIL" for r in rows)
