@@ -9,12 +9,15 @@ reachable; keys already cached are pinned for the rest of the step; dedup is by 
 
 How it is computed here:
 
-* a request's scan gathers, in one round of tensor ops, everything a position's
-  decision needs (its block, the block's key and ref count, the request's own key for
-  the position, the CPU entry of that key and whether it is free); a Python pass over
-  the gathered lists then applies the per-position rules (the CPU free count, which
-  pins lower, and the request's key set change as it goes) and the pins and
-  allocations are applied as batches;
+* a batch of scheduled requests gathers, in one round of tensor ops, everything a
+  position's decision needs (its block, the block's key and ref count, the request's
+  own key for the position, the CPU entry of that key and whether it is free);
+* when every scan of the batch runs to its end and the allocation can change no
+  decision of the batch (the usual step), the decisions are tensor ops too and the
+  batch is committed whole; only owner registration is a Python pass;
+* otherwise a Python pass over the gathered lists applies the per-position rules
+  request by request (the CPU free count, which pins lower, and the request's key set
+  change as it goes) and the pins and allocations are applied as batches;
 * requests with nothing in ``[cursor, ready)`` are skipped without any per-request
   work (one gather for the whole step finds them);
 * the victim walk of a re-store reads the CPU free list in slices and the owner index
