@@ -62,6 +62,7 @@ from kvspec.interfaces import (
     check_pool_ids,
     yield_req_data,
 )
+from kvspec.snapshot import Transfer, pool_section, scheduler_section
 
 VLLM_VERSION = "0.33.0"
 NULL_BLOCK = 0
@@ -138,14 +139,14 @@ class _FreeQueueView:
 
 
 def _cached_map(pool: Any) -> dict[str, list[int]]:
-    """vLLM's prefix map as ``{"hash:gid": [block ids in insertion order]}``, keys sorted by
-    (hash, gid) as in the model (vLLM's own key order moves a key to the end when one of
-    its duplicate blocks is popped; no lookup depends on it)."""
+    """vLLM's prefix map as ``{"hash:gid": [block ids in insertion order]}``; the snapshot
+    sorts the keys (vLLM's own key order moves a key to the end when one of its duplicate
+    blocks is popped; no lookup depends on it)."""
     rows = []
     for raw, entry in pool.cached_block_hash_to_block._cache.items():
         ids = [entry.block_id] if not isinstance(entry, dict) else [b.block_id for b in entry.values()]
         rows.append((key_from_bytes(raw), ids))
-    return {f"{k[0]}:{k[1]}": ids for k, ids in sorted(rows)}
+    return {f"{k[0]}:{k[1]}": ids for k, ids in rows}
 
 
 def pool_snapshot(pool: Any) -> dict[str, Any]:
@@ -154,13 +155,13 @@ def pool_snapshot(pool: Any) -> dict[str, Any]:
     vLLM's secondary (fine-grained) keys have no place in the model; when any exist
     they are shown under ``secondary`` so that a comparison with the model fails.
     """
-    snap: dict[str, Any] = {
-        "num_blocks": pool.num_gpu_blocks,
-        "ref_cnt": [b.ref_cnt for b in pool.blocks],
-        "block_hash": [None if b.block_hash is None else _key_text(b.block_hash) for b in pool.blocks],
-        "free_queue": [b.block_id for b in pool.free_block_queue.iter_blocks_after(None)],
-        "cached": _cached_map(pool),
-    }
+    snap = pool_section(
+        pool.num_gpu_blocks,
+        (b.ref_cnt for b in pool.blocks),
+        (None if b.block_hash is None else _key_text(b.block_hash) for b in pool.blocks),
+        (b.block_id for b in pool.free_block_queue.iter_blocks_after(None)),
+        _cached_map(pool),
+    )
     if pool.cached_block_hashes_by_block:
         snap["secondary"] = {
             str(b): sorted(_key_text(k) for k in keys)
@@ -531,41 +532,33 @@ class VllmTarget:
     def _scheduler_snapshot(self) -> dict[str, Any]:
         mgr = self.manager
 
-        def transfer(t: Any) -> dict[str, list[int]]:
-            return {"gpu": list(t.gpu_block_ids), "cpu": list(t.cpu_block_ids)}
+        def transfer(t: Any) -> Transfer:
+            return t.gpu_block_ids, t.cpu_block_ids
 
-        def load(st: Any) -> dict[str, Any]:
-            return {**transfer(st.transfer_meta), "load_event": st.load_event, "finished": st.finished}
+        def load(st: Any) -> tuple[Transfer, int | None, bool]:
+            return transfer(st.transfer_meta), st.load_event, st.finished
 
-        return {
-            "policy": self.policy_name,
-            "lazy": bool(mgr._lazy_mode),
-            "lazy_cursor": None if mgr._cursor is None else mgr._cursor.block_id,
-            "pending_cpu_hits": {
-                r: {"blocks": [[b.block_id for b in g] for g in blocks], "hit_len": hit_len,
-                    "num_computed_tokens": local}
-                for r, (blocks, hit_len, local) in sorted(mgr._pending_cpu_hits.items())
-            },
-            "reqs_to_load": {r: load(st) for r, st in sorted(mgr._reqs_to_load.items())},
-            "abandoned_reqs_to_load": {r: load(st) for r, st in sorted(mgr._abandoned_reqs_to_load.items())},
-            "load_event_to_reqs": {str(e): list(rs) for e, rs in sorted(mgr._load_event_to_reqs.items())},
-            "store_events": {str(e): transfer(t) for e, t in sorted(mgr._store_event_to_blocks.items())},
-            "abandoned_store_events": {
-                str(e): transfer(t) for e, t in sorted(mgr._abandoned_store_event_to_blocks.items())
-            },
-            "pending_finished_stores": [transfer(t) for t in mgr._pending_finished_stores],
-            "reqs_to_store": {
-                r: {"block_ids": [list(g) for g in st.block_ids], "num_stored_blocks": list(st.num_stored_blocks),
-                    "store_events": sorted(st.store_events), "finished": st.finished}
-                for r, st in sorted(mgr._reqs_to_store.items())
-            },
-            "store_event_to_reqs": {str(e): list(rs) for e, rs in sorted(mgr._store_event_to_reqs.items())},
-            "in_flight": sorted(mgr._in_flight_store_gpu_blocks),
-            "load_event_counter": mgr._load_event_counter,
-            "store_event_counter": mgr._store_event_counter,
-            "store_event_pending_counts": {str(e): c for e, c in sorted(mgr._store_event_pending_counts.items())},
-            "policy_state": {},
-        }
+        return scheduler_section(
+            policy=self.policy_name,
+            lazy=mgr._lazy_mode,
+            lazy_cursor=None if mgr._cursor is None else mgr._cursor.block_id,
+            pending_cpu_hits={r: ([[b.block_id for b in g] for g in blocks], hit_len, local)
+                              for r, (blocks, hit_len, local) in mgr._pending_cpu_hits.items()},
+            reqs_to_load={r: load(st) for r, st in mgr._reqs_to_load.items()},
+            abandoned_reqs_to_load={r: load(st) for r, st in mgr._abandoned_reqs_to_load.items()},
+            load_event_to_reqs=mgr._load_event_to_reqs,
+            store_events={e: transfer(t) for e, t in mgr._store_event_to_blocks.items()},
+            abandoned_store_events={e: transfer(t) for e, t in mgr._abandoned_store_event_to_blocks.items()},
+            pending_finished_stores=[transfer(t) for t in mgr._pending_finished_stores],
+            reqs_to_store={r: (st.block_ids, st.num_stored_blocks, st.store_events, st.finished)
+                           for r, st in mgr._reqs_to_store.items()},
+            store_event_to_reqs=mgr._store_event_to_reqs,
+            in_flight=mgr._in_flight_store_gpu_blocks,
+            load_event_counter=mgr._load_event_counter,
+            store_event_counter=mgr._store_event_counter,
+            store_event_pending_counts=mgr._store_event_pending_counts,
+            policy_state={},
+        )
 
 
 # -- factory ---------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from kvspec.model.prefix_map import PrefixMap
 
 from kvspec.errors import InvalidBlockError, InvalidCountError, OutOfBlocksError
 from kvspec.interfaces import check_free_counts, check_pool_ids
+from kvspec.snapshot import pool_section
 
 NULL_BLOCK = 0
 
@@ -169,13 +170,9 @@ class BlockPool:
     def snapshot(self) -> dict[str, Any]:
         """Canonical JSON-able picture: ref counts, hashes, queue order, map (keys sorted; the
         order of a key's blocks is kept). O(N log N)."""
-        return {
-            "num_blocks": self.num_blocks,
-            "ref_cnt": list(self.ref_cnt),
-            "block_hash": [None if k is None else key_str(k) for k in self.block_hash],
-            "free_queue": list(self.free_queue),
-            "cached": {key_str(k): ids for k, ids in sorted(self.cached.items())},
-        }
+        return pool_section(self.num_blocks, self.ref_cnt,
+                            (None if k is None else key_str(k) for k in self.block_hash),
+                            self.free_queue, {key_str(k): ids for k, ids in self.cached.items()})
 
     def _check(self) -> None:
         """Pool-local invariants (I1, I2, I3); raises AssertionError naming the block. O(N)."""

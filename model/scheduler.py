@@ -66,6 +66,8 @@ from kvspec.interfaces import (
     check_count,
     yield_req_data,
 )
+from kvspec.snapshot import Transfer as Transfer_
+from kvspec.snapshot import scheduler_section
 
 
 @dataclass
@@ -598,38 +600,30 @@ class OffloadScheduler:
         }
 
     def _scheduler_snapshot(self) -> dict[str, Any]:
-        def load(st: LoadState) -> dict[str, Any]:
-            return {**st.transfer.to_json(), "load_event": st.load_event, "finished": st.finished}
+        def load(st: LoadState) -> tuple[Transfer_, int | None, bool]:
+            return (st.transfer.gpu_ids, st.transfer.cpu_ids), st.load_event, st.finished
 
-        return {
-            "policy": self.policy_name,
-            "lazy": self.lazy_mode,
-            "lazy_cursor": self.lazy_cursor,
-            "pending_cpu_hits": {
-                r: {"blocks": [list(g) for g in p.blocks], "hit_len": p.hit_len,
-                    "num_computed_tokens": p.num_computed_tokens}
-                for r, p in sorted(self.pending_cpu_hits.items())
-            },
-            "reqs_to_load": {r: load(st) for r, st in sorted(self.reqs_to_load.items())},
-            "abandoned_reqs_to_load": {r: load(st) for r, st in sorted(self.abandoned_reqs_to_load.items())},
-            "load_event_to_reqs": {str(e): list(rs) for e, rs in sorted(self.load_event_to_reqs.items())},
-            "store_events": {str(e): t.to_json() for e, t in sorted(self.store_event_to_blocks.items())},
-            "abandoned_store_events": {
-                str(e): t.to_json() for e, t in sorted(self.abandoned_store_event_to_blocks.items())
-            },
-            "pending_finished_stores": [t.to_json() for t in self.pending_finished_stores],
-            "reqs_to_store": {
-                r: {"block_ids": [list(g) for g in st.block_ids], "num_stored_blocks": list(st.num_stored_blocks),
-                    "store_events": sorted(st.store_events), "finished": st.finished}
-                for r, st in sorted(self.reqs_to_store.items())
-            },
-            "store_event_to_reqs": {str(e): list(rs) for e, rs in sorted(self.store_event_to_reqs.items())},
-            "in_flight": sorted(self.in_flight_store_gpu_blocks),
-            "load_event_counter": self.load_event_counter,
-            "store_event_counter": self.store_event_counter,
-            "store_event_pending_counts": {str(e): c for e, c in sorted(self.store_event_pending_counts.items())},
-            "policy_state": self._policy_snapshot(),
-        }
+        return scheduler_section(
+            policy=self.policy_name,
+            lazy=self.lazy_mode,
+            lazy_cursor=self.lazy_cursor,
+            pending_cpu_hits={r: (p.blocks, p.hit_len, p.num_computed_tokens)
+                              for r, p in self.pending_cpu_hits.items()},
+            reqs_to_load={r: load(st) for r, st in self.reqs_to_load.items()},
+            abandoned_reqs_to_load={r: load(st) for r, st in self.abandoned_reqs_to_load.items()},
+            load_event_to_reqs=self.load_event_to_reqs,
+            store_events={e: (t.gpu_ids, t.cpu_ids) for e, t in self.store_event_to_blocks.items()},
+            abandoned_store_events={e: (t.gpu_ids, t.cpu_ids) for e, t in self.abandoned_store_event_to_blocks.items()},
+            pending_finished_stores=[(t.gpu_ids, t.cpu_ids) for t in self.pending_finished_stores],
+            reqs_to_store={r: (st.block_ids, st.num_stored_blocks, st.store_events, st.finished)
+                           for r, st in self.reqs_to_store.items()},
+            store_event_to_reqs=self.store_event_to_reqs,
+            in_flight=self.in_flight_store_gpu_blocks,
+            load_event_counter=self.load_event_counter,
+            store_event_counter=self.store_event_counter,
+            store_event_pending_counts=self.store_event_pending_counts,
+            policy_state=self._policy_snapshot(),
+        )
 
     def _policy_snapshot(self) -> dict[str, Any]:
         """Hook: policy-specific state (empty for the baseline)."""
