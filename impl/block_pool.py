@@ -33,7 +33,9 @@ from kvspec.impl.free_list import FreeList
 from kvspec.impl.keys import BlockKey, KeyTable
 from kvspec.impl.prefix_index import PrefixIndex
 
-from kvspec.errors import DoubleFreeError, InvalidBlockError, InvalidCountError, OutOfBlocksError
+from kvspec.errors import InvalidBlockError, InvalidCountError, OutOfBlocksError
+from kvspec.interfaces import check_free_counts, check_pool_ids
+from kvspec.snapshot import pool_section
 
 NULL_BLOCK = 0
 
@@ -172,13 +174,7 @@ class TensorBlockPool:
         uniq, counts = torch.unique(t, return_counts=True)
         over = counts > self.ref[uniq]
         if bool(over.any()):
-            seen: dict[int, int] = {}
-            for b in ids:
-                seen[b] = seen.get(b, 0) + 1
-            for b, times in seen.items():
-                ref = int(self.ref[b])
-                if times > ref:
-                    raise DoubleFreeError(f"{self.name}: block {b} freed {times} time(s) with ref count {ref}")
+            check_free_counts(ids, lambda b: int(self.ref[b]), self.name)
         self.free_t(t)
 
     def insert_block_hash(self, key: BlockKey, block_id: int) -> None:
@@ -224,11 +220,7 @@ class TensorBlockPool:
         n = self.num_blocks
         if ids and all(type(b) is int for b in ids) and min(ids) >= (0 if allow_null else 1) and max(ids) < n:
             return
-        for b in ids:
-            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < n:
-                raise InvalidBlockError(f"{self.name}: cannot {what} block {b!r}: ids are 0..{n - 1}")
-            if b == NULL_BLOCK and not allow_null:
-                raise InvalidBlockError(f"{self.name}: cannot {what} the null block 0")
+        check_pool_ids(ids, n, self.name, what, allow_null)
 
     # -- views the engine reads ----------------------------------------------------------------------
 
@@ -260,14 +252,9 @@ class TensorBlockPool:
         return out
 
     def snapshot(self) -> dict[str, Any]:
-        return {
-            "num_blocks": self.num_blocks,
-            "ref_cnt": self.ref.tolist(),
-            "block_hash": self.key_texts(self.key.tolist()),
-            "free_queue": self.free.order().tolist(),
-            "cached": {self.keys.key_text(k): chain
-                       for k, chain in sorted(self.index.items(), key=lambda kc: self.keys.key(kc[0]))},
-        }
+        return pool_section(self.num_blocks, self.ref.tolist(), self.key_texts(self.key.tolist()),
+                            self.free.order().tolist(),
+                            {self.keys.key_text(k): chain for k, chain in self.index.items()})
 
     def memory_bytes(self) -> int:
         """Bytes of bookkeeping tensors (payloads excluded)."""

@@ -190,21 +190,15 @@ class StoreTable:
 
     # -- observation ----------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
-        out = {}
+    def snapshot_rows(self) -> dict[str, tuple[list[list[int]], list[int], set[int], bool]]:
+        """Per request: (GPU ids per group, cursors, store events, finished), for the snapshot."""
         if not self.slot_of:
-            return out
+            return {}
         cursors = self.cursor.tolist()
         lengths = self.length.tolist()
-        for rid in sorted(self.slot_of):
-            s = self.slot_of[rid]
-            out[rid] = {
-                "block_ids": [self.table[s, g, : lengths[s][g]].tolist() for g in range(self.G)],
-                "num_stored_blocks": cursors[s],
-                "store_events": sorted(self.events[s]),
-                "finished": self.finished[s],
-            }
-        return out
+        return {rid: ([self.table[s, g, : lengths[s][g]].tolist() for g in range(self.G)], cursors[s],
+                      self.events[s], self.finished[s])
+                for rid, s in self.slot_of.items()}
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.cursor, self.length, self.table))

@@ -28,7 +28,7 @@ from kvspec.impl.payload import PayloadStore
 from kvspec.impl.planner import Candidates, decide, layout
 from kvspec.impl.request_table import StoreTable
 
-from kvspec.errors import InvalidOperationError, UnknownEventError, UnknownRequestError
+from kvspec.errors import InvalidOperationError
 from kvspec.interfaces import (
     BlockIds,
     ConnectorMetadata,
@@ -37,8 +37,10 @@ from kvspec.interfaces import (
     RequestView,
     SchedulerOutput,
     check_block_ids,
+    check_connector_output,
     check_count,
 )
+from kvspec.snapshot import Transfer, scheduler_section
 
 
 @dataclass
@@ -48,8 +50,8 @@ class Xfer:
     gpu: torch.Tensor
     cpu: torch.Tensor
 
-    def to_json(self) -> dict[str, list[int]]:
-        return {"gpu": self.gpu.tolist(), "cpu": self.cpu.tolist()}
+    def pair(self) -> Transfer:
+        return self.gpu.tolist(), self.cpu.tolist()
 
 
 @dataclass
@@ -475,18 +477,13 @@ class TensorOffloadScheduler:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         co = connector_output
-        for rid in co.finished_recving:
-            if rid not in self.reqs_to_load and rid not in self.abandoned_reqs_to_load:
-                raise UnknownRequestError(f"finished_recving names {rid!r}, which has no load")
-            st = self.reqs_to_load.get(rid) or self.abandoned_reqs_to_load[rid]
-            if st.load_event is None:
-                raise InvalidOperationError(f"finished_recving names {rid!r}, whose load was never sent")
-        for e, c in co.completed_store_events.items():
-            if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < self.store_event_counter:
-                raise UnknownEventError(f"store event {e!r} was never issued")
-            check_count(c, f"worker count for store event {e}", self.config.world_size)
-            if c == 0:
-                raise InvalidOperationError(f"worker count for store event {e} is 0")
+
+        def load_sent(rid: str) -> bool | None:
+            st = self.reqs_to_load.get(rid) or self.abandoned_reqs_to_load.get(rid)
+            return None if st is None else st.load_event is not None
+
+        check_connector_output(co, load_sent, self.store_event_counter, self.config.world_size)
+        for e in co.completed_store_events:
             t = self.store_events.get(e)
             if t is not None and bool((self.gpu_pool.key[t.gpu] < 0).any()):
                 bad = t.gpu[self.gpu_pool.key[t.gpu] < 0][0]
@@ -629,32 +626,29 @@ class TensorOffloadScheduler:
         }
 
     def _scheduler_snapshot(self) -> dict[str, Any]:
-        def load(st: Load) -> dict[str, Any]:
-            return {**st.xfer.to_json(), "load_event": st.load_event, "finished": st.finished}
+        def load(st: Load) -> tuple[Transfer, int | None, bool]:
+            return st.xfer.pair(), st.load_event, st.finished
 
-        return {
-            "policy": self.policy.name,
-            "lazy": self.lazy_mode,
-            "lazy_cursor": self.lazy_cursor,
-            "pending_cpu_hits": {
-                r: {"blocks": [list(g) for g in p.blocks], "hit_len": p.hit_len,
-                    "num_computed_tokens": p.num_computed_tokens}
-                for r, p in sorted(self.pending_cpu_hits.items())
-            },
-            "reqs_to_load": {r: load(st) for r, st in sorted(self.reqs_to_load.items())},
-            "abandoned_reqs_to_load": {r: load(st) for r, st in sorted(self.abandoned_reqs_to_load.items())},
-            "load_event_to_reqs": {str(e): list(rs) for e, rs in sorted(self.load_event_to_reqs.items())},
-            "store_events": {str(e): t.to_json() for e, t in sorted(self.store_events.items())},
-            "abandoned_store_events": {str(e): t.to_json() for e, t in sorted(self.abandoned_store_events.items())},
-            "pending_finished_stores": [t.to_json() for t in self.pending_finished_stores],
-            "reqs_to_store": self.stores.snapshot(),
-            "store_event_to_reqs": {str(e): list(rs) for e, rs in sorted(self.store_event_to_reqs.items())},
-            "in_flight": self.in_flight.nonzero().flatten().tolist(),
-            "load_event_counter": self.load_event_counter,
-            "store_event_counter": self.store_event_counter,
-            "store_event_pending_counts": {str(e): c for e, c in sorted(self.store_event_pending_counts.items())},
-            "policy_state": self.policy.snapshot(),
-        }
+        return scheduler_section(
+            policy=self.policy.name,
+            lazy=self.lazy_mode,
+            lazy_cursor=self.lazy_cursor,
+            pending_cpu_hits={r: (p.blocks, p.hit_len, p.num_computed_tokens)
+                              for r, p in self.pending_cpu_hits.items()},
+            reqs_to_load={r: load(st) for r, st in self.reqs_to_load.items()},
+            abandoned_reqs_to_load={r: load(st) for r, st in self.abandoned_reqs_to_load.items()},
+            load_event_to_reqs=self.load_event_to_reqs,
+            store_events={e: t.pair() for e, t in self.store_events.items()},
+            abandoned_store_events={e: t.pair() for e, t in self.abandoned_store_events.items()},
+            pending_finished_stores=[t.pair() for t in self.pending_finished_stores],
+            reqs_to_store=self.stores.snapshot_rows(),
+            store_event_to_reqs=self.store_event_to_reqs,
+            in_flight=self.in_flight.nonzero().flatten().tolist(),
+            load_event_counter=self.load_event_counter,
+            store_event_counter=self.store_event_counter,
+            store_event_pending_counts=self.store_event_pending_counts,
+            policy_state=self.policy.snapshot(),
+        )
 
     def memory_bytes(self) -> dict[str, int]:
         return {
