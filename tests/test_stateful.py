@@ -5,6 +5,7 @@ drawn; the invariant catalogue is checked after every step; rare paths are shown
 ``--hypothesis-show-statistics``.
 """
 
+from kvspec.impl import make_scheduler as make_impl
 from kvspec.model import make_scheduler
 
 from kvspec.harness import make_state_machine
@@ -13,3 +14,9 @@ TestBaseline = make_state_machine(make_scheduler, policy="baseline").TestCase
 TestSignalRescan = make_state_machine(make_scheduler, policy="signal-rescan").TestCase
 TestRepair = make_state_machine(make_scheduler, policy="repair").TestCase
 TestLazyBaseline = make_state_machine(make_scheduler, policy="baseline", lazy=True).TestCase
+
+# The implementation under the same harness, the model as reference: equal snapshots after every step.
+TestImplBaseline = make_state_machine(make_impl, reference=make_scheduler, policy="baseline").TestCase
+TestImplSignalRescan = make_state_machine(make_impl, reference=make_scheduler, policy="signal-rescan").TestCase
+TestImplRepair = make_state_machine(make_impl, reference=make_scheduler, policy="repair").TestCase
+TestImplLazy = make_state_machine(make_impl, reference=make_scheduler, policy="baseline", lazy=True).TestCase
