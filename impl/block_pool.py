@@ -28,12 +28,12 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+
+from kvspec.errors import InvalidBlockError, InvalidCountError, OutOfBlocksError
 from kvspec.impl.convert import int_tensor
 from kvspec.impl.free_list import FreeList
 from kvspec.impl.keys import BlockKey, KeyTable
 from kvspec.impl.prefix_index import PrefixIndex
-
-from kvspec.errors import InvalidBlockError, InvalidCountError, OutOfBlocksError
 from kvspec.interfaces import check_free_counts, check_pool_ids
 from kvspec.snapshot import pool_section
 

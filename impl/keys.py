@@ -18,6 +18,7 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
+
 from kvspec.impl.convert import int_tensor
 
 BlockKey = tuple[str, int]

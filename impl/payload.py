@@ -22,6 +22,7 @@ chunked so that the gathered rows are still in cache when they are written.
 from __future__ import annotations
 
 import torch
+
 from kvspec.impl.convert import int_tensor
 from kvspec.impl.keys import seed_of
 

@@ -33,10 +33,10 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
+
 from kvspec.impl.convert import int_tensor
 from kvspec.impl.planner import layout
 from kvspec.impl.policies import BaselinePolicy
-
 from kvspec.interfaces import RequestView, SchedulerOutput
 
 if TYPE_CHECKING:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from kvspec.impl.convert import int_tensor
 from kvspec.impl.keys import KeyTable
 

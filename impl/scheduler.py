@@ -20,6 +20,8 @@ from operator import attrgetter
 from typing import Any
 
 import torch
+
+from kvspec.errors import InvalidOperationError
 from kvspec.impl.block_pool import TensorBlockPool
 from kvspec.impl.convert import int_tensor
 from kvspec.impl.hit_search import longest_hit
@@ -27,8 +29,6 @@ from kvspec.impl.keys import KeyTable
 from kvspec.impl.payload import PayloadStore
 from kvspec.impl.planner import Candidates, decide, layout
 from kvspec.impl.request_table import StoreTable
-
-from kvspec.errors import InvalidOperationError
 from kvspec.interfaces import (
     BlockIds,
     ConnectorMetadata,

@@ -417,6 +417,9 @@ def make_state_machine(factory: TargetFactory, reference: TargetFactory | None =
         def catalogue(self) -> None:
             if self.engine is None:
                 return
+            own_check = getattr(self.engine.target, "_check", None)
+            if own_check is not None:  # the model's structures check themselves (free queues, pools, scheduler)
+                own_check()
             ids = oracle if oracle is not None else default_oracle(self.config)
             found = check(self.engine.snapshot(), ids)
             self._fail_if(bool(found), "; ".join(str(v) for v in found[:3]))

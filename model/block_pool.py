@@ -30,12 +30,11 @@ or ``n`` beyond the free count. Every check runs before any change.
 from collections.abc import Iterable
 from typing import Any
 
+from kvspec.errors import InvalidBlockError, InvalidCountError, OutOfBlocksError
+from kvspec.interfaces import check_free_counts, check_pool_ids
 from kvspec.model.free_queue import FreeBlockQueue
 from kvspec.model.hashing import BlockKey, key_str
 from kvspec.model.prefix_map import PrefixMap
-
-from kvspec.errors import InvalidBlockError, InvalidCountError, OutOfBlocksError
-from kvspec.interfaces import check_free_counts, check_pool_ids
 from kvspec.snapshot import pool_section
 
 NULL_BLOCK = 0
@@ -176,7 +175,7 @@ class BlockPool:
 
     def _check(self) -> None:
         """Pool-local invariants (I1, I2, I3); raises AssertionError naming the block. O(N)."""
-        self.free_queue._check()
+        self.free_queue._check(self.num_blocks)
         assert NULL_BLOCK not in self.free_queue and self.ref_cnt[NULL_BLOCK] == 0
         assert self.block_hash[NULL_BLOCK] is None
         for b in range(1, self.num_blocks):

@@ -12,13 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvspec.interfaces import OffloadConfig, SchedulerOutput
 from kvspec.model.block_pool import BlockPool
 from kvspec.model.hashing import BlockKey
 from kvspec.model.repair import RepairScheduler
 from kvspec.model.scheduler import IN_FLIGHT, OffloadScheduler, StoreBatch, StoreState
 from kvspec.model.signal_rescan import SignalRescanScheduler
-
-from kvspec.interfaces import OffloadConfig, SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvspec.model.block_pool import NULL_BLOCK
-from kvspec.model.hashing import BlockHash, block_hashes, chain_hash
-from kvspec.model.hit_search import find_longest_cache_hit
-
 from kvspec.errors import InvalidCountError, InvalidOperationError, UnknownEventError, UnknownRequestError
 from kvspec.interfaces import (
     CachedRequestData,
@@ -52,6 +48,9 @@ from kvspec.interfaces import (
     SchedulerOutput,
     check_count,
 )
+from kvspec.model.block_pool import NULL_BLOCK
+from kvspec.model.hashing import BlockHash, block_hashes, chain_hash
+from kvspec.model.hit_search import find_longest_cache_hit
 
 WAITING, RUNNING, WAITING_FOR_REMOTE, LOADED, PREEMPTED, FINISHED = (
     "waiting", "running", "waiting_for_remote_kvs", "loaded", "preempted", "finished",

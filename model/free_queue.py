@@ -81,6 +81,8 @@ class FreeBlockQueue:
                 raise QueueCorruptionError(f"block {b} would be in the free queue twice")
             seen.add(b)
 
-    def _check(self) -> None:
-        """Invariant: no duplicates (by construction of the dict); nothing to recompute."""
-        assert len(set(self._order)) == len(self._order)
+    def _check(self, num_blocks: int) -> None:
+        """Invariant: every queued id is a usable block id ``1..num_blocks-1`` (the null block is
+        never queued); no duplicates holds by construction (dict keys). O(n)."""
+        for b in self._order:
+            assert isinstance(b, int) and 1 <= b < num_blocks, f"free queue holds {b!r}"

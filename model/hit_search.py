@@ -20,10 +20,9 @@ Cost: O(hashes x groups) per pass; passes are bounded by the number of spec grou
 from collections.abc import Sequence
 from typing import Protocol
 
+from kvspec.interfaces import KVGroup
 from kvspec.model.block_pool import NULL_BLOCK
 from kvspec.model.hashing import BlockHash
-
-from kvspec.interfaces import KVGroup
 
 
 class CachedBlockLookup(Protocol):

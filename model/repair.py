@@ -62,6 +62,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+from kvspec.interfaces import OffloadConfig, RequestView, SchedulerOutput
 from kvspec.model.block_pool import NULL_BLOCK, BlockPool
 from kvspec.model.hashing import BlockKey, key_str
 from kvspec.model.scheduler import (
@@ -74,8 +75,6 @@ from kvspec.model.scheduler import (
     StoreState,
     Transfer,
 )
-
-from kvspec.interfaces import OffloadConfig, RequestView, SchedulerOutput
 
 Position = tuple[str, int, int]  # (request id, group, position)
 Owners = dict[Position, None]  # ordered, so that records are made in a deterministic order

@@ -44,15 +44,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvspec.model.block_pool import NULL_BLOCK, BlockPool
-from kvspec.model.hashing import BlockKey
-from kvspec.model.hit_search import find_longest_cache_hit
-from kvspec.model.rules import ALREADY_CACHED as ALREADY_CACHED  # the store-candidate classes, re-exported
-from kvspec.model.rules import IN_FLIGHT as IN_FLIGHT
-from kvspec.model.rules import NOT_HASHED as NOT_HASHED
-from kvspec.model.rules import NULL as NULL
-from kvspec.model.rules import READY, classify_store_candidate, ready_blocks, scan_group
-
 from kvspec.errors import InvalidOperationError
 from kvspec.interfaces import (
     BlockIds,
@@ -66,6 +57,14 @@ from kvspec.interfaces import (
     check_count,
     yield_req_data,
 )
+from kvspec.model.block_pool import NULL_BLOCK, BlockPool
+from kvspec.model.hashing import BlockKey
+from kvspec.model.hit_search import find_longest_cache_hit
+from kvspec.model.rules import ALREADY_CACHED as ALREADY_CACHED  # the store-candidate classes, re-exported
+from kvspec.model.rules import IN_FLIGHT as IN_FLIGHT
+from kvspec.model.rules import NOT_HASHED as NOT_HASHED
+from kvspec.model.rules import NULL as NULL
+from kvspec.model.rules import READY, classify_store_candidate, ready_blocks, scan_group
 from kvspec.snapshot import Transfer as Transfer_
 from kvspec.snapshot import scheduler_section
 

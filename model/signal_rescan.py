@@ -32,11 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvspec.interfaces import OffloadConfig, SchedulerOutput
 from kvspec.model.block_pool import BlockPool
 from kvspec.model.hashing import BlockKey
 from kvspec.model.scheduler import READY, OffloadScheduler, StoreBatch, StoreState
-
-from kvspec.interfaces import OffloadConfig, SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvspec.interfaces import KVGroup, OffloadConfig
 from kvspec.model import POLICY_CLASSES, make_scheduler
 from kvspec.model.engine import Engine
 from kvspec.model.invariants import CATALOGUE, check
-
-from kvspec.interfaces import KVGroup, OffloadConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "SPEC.md"

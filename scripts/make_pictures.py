@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
+from kvspec.interfaces import OffloadConfig
 from kvspec.model import make_scheduler
 from kvspec.model.engine import Engine
-
-from kvspec.interfaces import OffloadConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "specs" / "pictures"

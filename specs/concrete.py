@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import z3
+
+from kvspec.interfaces import CachedRequestData, KVGroup, NewRequestData, OffloadConfig, SchedulerOutput
 from kvspec.model import make_scheduler
 from kvspec.model.scheduler import OffloadScheduler, StoreState
 from kvspec.specs.encoding import ARRAYS, Group, Quant, State, Unrolled
 from kvspec.specs.transitions import Step, evict, plan_scan, repair_phase
-
-from kvspec.interfaces import CachedRequestData, KVGroup, NewRequestData, OffloadConfig, SchedulerOutput
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import z3
+
 from kvspec.specs.encoding import Encoding, Quant, State, Unrolled, reset_names
 from kvspec.specs.transitions import (
     CURSOR_RESETS,

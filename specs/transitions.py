@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import z3
+
 from kvspec.specs.encoding import Encoding, Scan, State, _fresh
 
 

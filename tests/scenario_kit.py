@@ -10,11 +10,6 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-from kvspec.model import make_scheduler
-from kvspec.model.hashing import block_hashes
-from kvspec.model.hit_search import find_longest_cache_hit
-from kvspec.model.scheduler import OffloadScheduler
-
 from kvspec.interfaces import (
     CachedRequestData,
     KVConnectorOutput,
@@ -22,6 +17,10 @@ from kvspec.interfaces import (
     OffloadConfig,
     SchedulerOutput,
 )
+from kvspec.model import make_scheduler
+from kvspec.model.hashing import block_hashes
+from kvspec.model.hit_search import find_longest_cache_hit
+from kvspec.model.scheduler import OffloadScheduler
 
 B = 16
 

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvspec.model import make_scheduler
-from kvspec.model.engine import Engine
 
 from kvspec.cli import main
 from kvspec.errors import SnapshotFormatError
 from kvspec.interfaces import KVGroup, OffloadConfig
+from kvspec.model import make_scheduler
+from kvspec.model.engine import Engine
 from kvspec.snapshot_io import (
     SUPPORTED_KEYWORDS,
     _unsupported_keywords,

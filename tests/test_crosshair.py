@@ -25,12 +25,12 @@ import sys
 import textwrap
 from pathlib import Path
 
-import kvspec.model.scheduler as scheduler_module
 import pytest
+
+import kvspec.model.scheduler as scheduler_module
+from kvspec.interfaces import CachedRequestData, OffloadConfig, SchedulerOutput
 from kvspec.model import make_scheduler
 from kvspec.model.scheduler import StoreState
-
-from kvspec.interfaces import CachedRequestData, OffloadConfig, SchedulerOutput
 
 CROSSHAIR = [sys.executable, "-m", "crosshair", "check", "--analysis_kind=PEP316"]
 PER_CONDITION = "1.5"  # seconds per postcondition; 22 conditions

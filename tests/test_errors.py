@@ -14,9 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from kvspec.model import make_scheduler
-from kvspec.model.block_pool import BlockPool
-from kvspec.model.engine import Engine
 from scenario_kit import Req, alloc, complete, make, out, req, tokens
 
 from kvspec.errors import (
@@ -32,6 +29,9 @@ from kvspec.errors import (
     UnknownRequestError,
 )
 from kvspec.interfaces import KVConnectorOutput, OffloadConfig
+from kvspec.model import make_scheduler
+from kvspec.model.block_pool import BlockPool
+from kvspec.model.engine import Engine
 
 POLICIES = ("baseline", "signal-rescan", "repair")
 

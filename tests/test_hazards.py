@@ -25,14 +25,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import pytest
+from scenario_kit import alloc, complete, cpu_hit, cpu_map, make, out, req
+
+from kvspec.interfaces import KVGroup, OffloadConfig
 from kvspec.model import make_scheduler
 from kvspec.model.engine import Engine, prompt_tokens
 from kvspec.model.hashing import block_hashes
 from kvspec.model.hit_search import find_longest_cache_hit
 from kvspec.model.invariants import check
-from scenario_kit import alloc, complete, cpu_hit, cpu_map, make, out, req
-
-from kvspec.interfaces import KVGroup, OffloadConfig
 
 POLICIES = ("baseline", "signal-rescan", "repair")
 DRAIN = "drain"

@@ -17,12 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-from kvspec.impl import make_scheduler as make_impl
-from kvspec.impl.payload import expected_payload
-from kvspec.model import make_scheduler as make_model
-from kvspec.model.engine import Engine
 
 from kvspec.errors import KVSpecError
+from kvspec.impl import make_scheduler as make_impl
+from kvspec.impl.payload import expected_payload
 from kvspec.interfaces import (
     CachedRequestData,
     KVConnectorOutput,
@@ -31,6 +29,8 @@ from kvspec.interfaces import (
     OffloadConfig,
     SchedulerOutput,
 )
+from kvspec.model import make_scheduler as make_model
+from kvspec.model.engine import Engine
 from kvspec.tracegen import random_ops
 
 N_OPS = 140

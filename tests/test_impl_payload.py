@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvspec.impl.payload import copy_blocks, expected_payload
 
 

@@ -5,10 +5,10 @@ CPU pool evicting entries of running requests. Snapshots must be equal after eve
 from __future__ import annotations
 
 import pytest
-from kvspec.impl import make_scheduler as make_impl
-from kvspec.model import make_scheduler as make_model
 
 from kvspec.commands.bench import Driver, Scale, _config
+from kvspec.impl import make_scheduler as make_impl
+from kvspec.model import make_scheduler as make_model
 
 
 @pytest.mark.parametrize("policy", ["baseline", "signal-rescan", "repair"])

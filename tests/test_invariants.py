@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
+from kvspec.interfaces import KVGroup, OffloadConfig
 from kvspec.model import make_scheduler
 from kvspec.model.engine import Engine
 from kvspec.model.invariants import CATALOGUE, Violation, check
-
-from kvspec.interfaces import KVGroup, OffloadConfig
 
 Snap = dict[str, Any]
 POLICIES = ("baseline", "signal-rescan", "repair")

@@ -32,6 +32,7 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvspec.specs.concrete import (
     FOREIGN,
     KINDS,

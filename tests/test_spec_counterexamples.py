@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 import z3
+
 from kvspec.model import make_scheduler
 from kvspec.model.engine import Engine
 from kvspec.model.invariants import check

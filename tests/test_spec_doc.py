@@ -11,11 +11,11 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from kvspec.model.engine import Engine
-from kvspec.model.invariants import CATALOGUE
 
 import kvspec.errors
 from kvspec.interfaces import GpuPool, OffloadTarget
+from kvspec.model.engine import Engine
+from kvspec.model.invariants import CATALOGUE
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "SPEC.md"

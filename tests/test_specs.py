@@ -12,11 +12,11 @@ import json
 
 import pytest
 import z3
+
+from kvspec.cli import main
 from kvspec.specs import transitions as T
 from kvspec.specs.encoding import Quant, Unrolled, reset_names
 from kvspec.specs.obligations import PASS, catalogue, inductive, monotone, soundness
-
-from kvspec.cli import main
 
 OBLIGATIONS = catalogue()
 

@@ -5,10 +5,9 @@ drawn; the invariant catalogue is checked after every step; rare paths are shown
 ``--hypothesis-show-statistics``.
 """
 
+from kvspec.harness import make_state_machine
 from kvspec.impl import make_scheduler as make_impl
 from kvspec.model import make_scheduler
-
-from kvspec.harness import make_state_machine
 
 TestBaseline = make_state_machine(make_scheduler, policy="baseline").TestCase
 TestSignalRescan = make_state_machine(make_scheduler, policy="signal-rescan").TestCase

@@ -11,7 +11,6 @@ completes before the next step.
 from __future__ import annotations
 
 import pytest
-from kvspec.model.invariants import LOCAL_INVARIANTS, check
 from scenario_kit import (
     alloc,
     complete,
@@ -24,6 +23,8 @@ from scenario_kit import (
     out,
     req,
 )
+
+from kvspec.model.invariants import LOCAL_INVARIANTS, check
 
 
 def _clean(s) -> None:  # type: ignore[no-untyped-def]

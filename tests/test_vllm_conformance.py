@@ -25,9 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvspec.model import make_scheduler
-from kvspec.model.engine import Engine
-from kvspec.model.scheduler import OffloadScheduler
 
 from kvspec.errors import ConfigError, KVSpecError
 from kvspec.harness import first_difference
@@ -39,6 +36,9 @@ from kvspec.interfaces import (
     OffloadConfig,
     SchedulerOutput,
 )
+from kvspec.model import make_scheduler
+from kvspec.model.engine import Engine
+from kvspec.model.scheduler import OffloadScheduler
 from kvspec.trace import Trace
 from kvspec.tracegen import random_ops
 from kvspec.vllm_adapter import vllm_available
@@ -550,7 +550,6 @@ def test_invariants_alone_find_the_stale_cursor_fixme_in_vllm(name: str) -> None
 def test_vllm_keeps_what_the_baseline_claims(name: str) -> None:
     """Every invariant the baseline policy claims holds on vLLM along random traces."""
     from kvspec.model.scheduler import OffloadScheduler
-
     from kvspec.vllm_adapter import fuzz_with_invariants
 
     config = CONFIGS[name]

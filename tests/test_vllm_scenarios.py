@@ -17,8 +17,6 @@ All others use one full-attention group with block size 16 and apply.
 
 from __future__ import annotations
 
-from kvspec.model.invariants import LOCAL_INVARIANTS, check
-from kvspec.model.scheduler import OffloadScheduler
 from scenario_kit import (
     Req,
     alloc,
@@ -33,6 +31,9 @@ from scenario_kit import (
     req,
     tokens,
 )
+
+from kvspec.model.invariants import LOCAL_INVARIANTS, check
+from kvspec.model.scheduler import OffloadScheduler
 
 
 def _clean(s: OffloadScheduler) -> None:

@@ -1,0 +1,37 @@
+"""The model's structures check themselves (``_check``); the stateful harness calls it after
+every step. Each check must fire on a corrupted structure."""
+
+import pytest
+
+from kvspec.interfaces import OffloadConfig
+from kvspec.model import make_scheduler
+from kvspec.model.block_pool import BlockPool
+from kvspec.model.engine import Engine
+
+
+def test_free_queue_refuses_null_and_out_of_range():
+    pool = BlockPool(5)
+    pool._check()
+    pool.free_queue._order[0] = None  # corrupt: the null block queued
+    with pytest.raises(AssertionError):
+        pool.free_queue._check(pool.num_blocks)
+
+
+def test_pool_check_finds_ref_queue_mismatch():
+    pool = BlockPool(5)
+    (b,) = pool.get_new_blocks(1)
+    pool.ref_cnt[b] = 0  # corrupt: ref 0 but not queued
+    with pytest.raises(AssertionError, match="I1"):
+        pool._check()
+
+
+def test_scheduler_check_runs_the_local_catalogue():
+    sched = make_scheduler(OffloadConfig(policy="repair"))
+    eng = Engine(sched)
+    eng.apply({"op": "add", "rid": "a", "family": 0, "prompt_len": 40})
+    eng.apply({"op": "step", "admit": ["a"]})
+    eng.apply({"op": "step"})
+    sched._check()
+    sched.in_flight_store_gpu_blocks.add(sched.gpu_pool.num_blocks - 1)  # corrupt: I7
+    with pytest.raises(AssertionError, match="I7"):
+        sched._check()
