@@ -65,6 +65,10 @@ class KeyTable:
             out = [self.hash_id(t) for t in texts]
         return out  # type: ignore[return-value]
 
+    def known_hash_id_map(self) -> dict[str, int]:
+        """hash text -> hash id of every hash interned so far (read-only; do not change it)."""
+        return self._hid
+
     def known_hash_id(self, text: str) -> int:
         """The hash id of ``text`` or -1 when it was never seen (then no key of it exists)."""
         return self._hid.get(text, -1)

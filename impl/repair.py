@@ -53,6 +53,7 @@ class RepairPolicy(BaselinePolicy):
         self.owners: dict[int, dict[Position, None]] = {}
         self.lost: dict[Position, int] = {}
         self.in_flight_keys: dict[int, int] = {}
+        self._ifk_t = torch.zeros(0, dtype=torch.int64, device=sched.device)  # in_flight_keys, per key id
         self.held: list[int] = []
         self.restores_last_plan = 0
         self.lost_keys_at_repair = 0
@@ -114,6 +115,22 @@ class RepairPolicy(BaselinePolicy):
 
     def _covered(self, kid: int) -> bool:
         return self.in_flight_keys.get(kid, 0) > 0 or self.s.cpu_pool.index.get_one(kid) >= 0
+
+    def _ifk_tensor(self) -> torch.Tensor:
+        """``in_flight_keys`` as a count per key id (kept in step with the dict)."""
+        cap = self.s.keys.key_capacity
+        t = self._ifk_t
+        if t.numel() < cap:
+            grown = torch.zeros(max(cap, 2 * t.numel(), 64), dtype=torch.int64, device=t.device)
+            grown[: t.numel()] = t
+            self._ifk_t = t = grown
+        return t
+
+    def _ifk_add(self, kids: torch.Tensor) -> None:
+        """The tensor side of ``in_flight_keys[k] += 1`` for each k of ``kids`` (repeats count)."""
+        kids = kids[kids >= 0]
+        if kids.numel():
+            self._ifk_tensor().index_put_((kids,), torch.ones_like(kids), accumulate=True)
 
     def on_evictions(self, blocks: torch.Tensor, kids: torch.Tensor) -> None:
         self._record_evictions(kids.tolist(), self.s.cpu_pool.first_of(kids).tolist())
@@ -455,6 +472,8 @@ class RepairPolicy(BaselinePolicy):
             self.judged_cached.update(judged)
             for kid in sel_keys:
                 ifk[kid] = ifk.get(kid, 0) + 1
+            if sel_keys:
+                self._ifk_add(int_tensor(sel_keys, dev))
             if selected:
                 batch.req_ids.append(rid)
                 ev = [kid for _, kid in popped_by[i] if kid >= 0]
@@ -488,7 +507,7 @@ class RepairPolicy(BaselinePolicy):
         gid, owned, okey, cblock, cfree = facts
         rest = owned
         if self.in_flight_keys:
-            rest = owned & ~torch.isin(okey, int_tensor(list(self.in_flight_keys), dev))
+            rest = owned & (self._ifk_tensor()[okey.clamp(min=0)] == 0)
         cached = rest & (cblock >= 0)
         fi = (rest & (cblock < 0)).nonzero().flatten()
         if fi.numel() > 1:  # the first candidate of a key is selected; later ones see it in flight
@@ -540,8 +559,10 @@ class RepairPolicy(BaselinePolicy):
                 mine.append(kid)
         self.judged_cached.update(okey[cached].tolist())
         ifk = self.in_flight_keys
-        for kid in okey[fi].tolist():
+        sel_k = okey[fi]
+        for kid in sel_k.tolist():
             ifk[kid] = ifk.get(kid, 0) + 1
+        self._ifk_add(sel_k)
         s.stores.cursor.index_put_((sl,), n1, accumulate=True)
         if ev_k.numel():
             self._record_evictions(ev_k.tolist(), s.cpu_pool.first_of(ev_k).tolist())
@@ -580,8 +601,10 @@ class RepairPolicy(BaselinePolicy):
         s.in_flight[gpu_ids] = True
         s.gpu_pool.touch_t(gpu_ids)
         ifk = self.in_flight_keys
-        for k in s.gpu_pool.key[gpu_ids].tolist():
+        kids = s.gpu_pool.key[gpu_ids]
+        for k in kids.tolist():
             ifk[k] = ifk.get(k, 0) + 1
+        self._ifk_add(kids)
 
     def _release_held(self) -> None:
         self.judged_cached.clear()
@@ -729,6 +752,12 @@ class RepairPolicy(BaselinePolicy):
 
     def on_store_completed(self, kids: torch.Tensor) -> None:
         ifk = self.in_flight_keys
+        if ifk:
+            live = kids[kids >= 0]
+            if live.numel():
+                t = self._ifk_tensor()
+                t.index_put_((live,), torch.full_like(live, -1), accumulate=True)
+                t[live] = t[live].clamp(min=0)
         for k in kids.tolist():
             if k < 0:
                 continue
@@ -745,6 +774,7 @@ class RepairPolicy(BaselinePolicy):
         self.owners.clear()
         self.lost.clear()
         self.in_flight_keys.clear()
+        self._ifk_t.zero_()
         self.owned_keys.clear()
         self.window_floor.clear()
         self.retired.clear()

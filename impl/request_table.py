@@ -162,24 +162,42 @@ class StoreTable:
         return torch.where(short, -1, self.hid_tab[slots, p.clamp(max=self.hid_tab.shape[1] - 1)])
 
     def _copy_hids(self, slots: list[int]) -> None:
-        done = self.hid_len[int_tensor(slots, self.device)].tolist()
-        have = [self.sync_hids(s) for s in slots]
-        need = max(map(len, have))
+        dev = self.device
+        sl_t = int_tensor(slots, dev)
+        done = self.hid_len[sl_t].tolist()
+        hids, request = self.hids, self.request
+        known = self.keys.known_hash_id_map()
+        at_s: list[int] = []
+        at_p: list[int] = []
+        new: list[int] = []
+        lens: list[int] = []
+        for s, d in zip(slots, done, strict=True):
+            have = hids[s]
+            hashes = request[s].block_hashes
+            n = len(have)
+            if len(hashes) > n:
+                add = [known.get(t) for t in hashes[n:]] if len(hashes) - n < 8 else None
+                if add is None or None in add:
+                    add = self.keys.hash_ids(hashes[n:])
+                have.extend(add)
+            m = len(have)
+            lens.append(m)
+            if m - d == 1:
+                at_s.append(s)
+                at_p.append(d)
+                new.append(have[d])
+            elif m > d:
+                at_s += [s] * (m - d)
+                at_p += range(d, m)
+                new += have[d:]
+        need = max(lens)
         if need > self.hid_tab.shape[1]:
             wider = self.hid_tab.new_zeros((self.hid_tab.shape[0], max(need, 2 * self.hid_tab.shape[1])))
             wider[:, : self.hid_tab.shape[1]] = self.hid_tab
             self.hid_tab = wider
-        at_s: list[int] = []
-        at_p: list[int] = []
-        new: list[int] = []
-        for s, h, d in zip(slots, have, done, strict=True):
-            at_s += [s] * (len(h) - d)
-            at_p += range(d, len(h))
-            new += h[d:]
         if new:
-            dev = self.device
             self.hid_tab[int_tensor(at_s, dev), int_tensor(at_p, dev)] = int_tensor(new, dev)
-        self.hid_len[int_tensor(slots, self.device)] = int_tensor(list(map(len, have)), self.device)
+        self.hid_len[sl_t] = int_tensor(lens, dev)
 
     def sync_hids(self, slot: int) -> list[int]:
         """The hash ids of the slot's request's ``block_hashes`` (interning new ones)."""
