@@ -126,9 +126,11 @@ class RepairPolicy(BaselinePolicy):
             self._ifk_t = t = grown
         return t
 
-    def _ifk_add(self, kids: torch.Tensor) -> None:
-        """The tensor side of ``in_flight_keys[k] += 1`` for each k of ``kids`` (repeats count)."""
-        kids = kids[kids >= 0]
+    def _ifk_add(self, kids: torch.Tensor, keyed: bool = False) -> None:
+        """The tensor side of ``in_flight_keys[k] += 1`` for each k of ``kids`` (repeats count);
+        ``keyed``: no -1 among them."""
+        if not keyed:
+            kids = kids[kids >= 0]
         if kids.numel():
             self._ifk_tensor().index_put_((kids,), torch.ones_like(kids), accumulate=True)
 
@@ -307,24 +309,25 @@ class RepairPolicy(BaselinePolicy):
         counts = [0] * k
         if lay is not None:
             occ, g_t, p_t = lay[0], lay[1], lay[2]
-            counts = torch.bincount(occ, minlength=k).tolist()
             sl_occ = sl[occ]
             gid = st.table[sl_occ, g_t, p_t]
             hid = st.hash_ids_at(sl_occ, p_t)
             want = torch.where(hid >= 0, hid * G + g_t, -2)
-            owned = (gid != 0) & (s.gpu_pool.key[gid] == want) & (s.gpu_pool.ref[gid] >= 1)
+            gkey = s.gpu_pool.key[gid]
+            owned = (gid != 0) & (gkey == want) & (s.gpu_pool.ref[gid] >= 1)
             if self.sliding_groups:
                 comp = int_tensor([r.num_computed_tokens for r in reqs], dev)
                 w = int_tensor(self.windows, dev)[g_t]
                 floor = torch.div((comp[occ] - w + 1).clamp(min=0), B, rounding_mode="floor")
                 owned &= (w == 0) | (p_t >= floor)
-            okey = torch.where(owned, s.gpu_pool.key[gid], -1)
+            okey = torch.where(owned, gkey, -1)
             s.cpu_pool.index.ensure(s.keys.key_capacity)
             cblock = s.cpu_pool.index.first_known(okey)
             cfree = (cblock >= 0) & (s.cpu_pool.ref[cblock.clamp(min=0)] == 0)
             if not self.sliding_groups and self._commit_if_all_fit(
                     rids, sl, lay, (gid, owned, okey, cblock, cfree), batch):
                 return k
+            counts = torch.bincount(occ, minlength=k).tolist()
             g_l, p_l, gid_l = g_t.tolist(), p_t.tolist(), gid.tolist()
             owned_l, okey_l, cblock_l, cfree_l = owned.tolist(), okey.tolist(), cblock.tolist(), cfree.tolist()
 
@@ -472,8 +475,6 @@ class RepairPolicy(BaselinePolicy):
             self.judged_cached.update(judged)
             for kid in sel_keys:
                 ifk[kid] = ifk.get(kid, 0) + 1
-            if sel_keys:
-                self._ifk_add(int_tensor(sel_keys, dev))
             if selected:
                 batch.req_ids.append(rid)
                 ev = [kid for _, kid in popped_by[i] if kid >= 0]
@@ -481,6 +482,9 @@ class RepairPolicy(BaselinePolicy):
                     self._record_evictions(ev, [ev_first[kid] for kid in ev])
             if any(advance):
                 self._adv[slot] = advance
+        sel_keys_all = [kid for _, pl in plans for kid in pl[6]]
+        if sel_keys_all:
+            self._ifk_add(int_tensor(sel_keys_all, dev))
         if self._adv:
             idx = int_tensor(list(self._adv), dev)
             s.stores.cursor.index_put_((idx,), int_tensor([a for v in self._adv.values() for a in v], dev)
@@ -541,10 +545,24 @@ class RepairPolicy(BaselinePolicy):
             batch.cpu.append(cpu)
             batch.req_ids.extend(map(rids.__getitem__, torch.unique_consecutive(occ[fi]).tolist()))
         oi = owned.nonzero().flatten()
+        self._register(rids, okey[oi].tolist(), occ[oi].tolist(), g_t[oi].tolist(), p_t[oi].tolist())
+        self.judged_cached.update(okey[cached].tolist())
+        ifk = self.in_flight_keys
+        sel_k = okey[fi]
+        for kid in sel_k.tolist():
+            ifk[kid] = ifk.get(kid, 0) + 1
+        self._ifk_add(sel_k, keyed=True)
+        s.stores.cursor.index_put_((sl,), n1, accumulate=True)
+        if ev_k.numel():
+            self._record_evictions(ev_k.tolist(), s.cpu_pool.first_of(ev_k).tolist())
+        return True
+
+    def _register(self, rids: list[str], kids: list[int], occ: list[int], gs: list[int], ps: list[int]) -> None:
+        """Index positions (request ``rids[occ[i]]``, ``gs[i]``, ``ps[i]``) under ``kids[i]``, in order:
+        new owner entries, and the request's key list for each entry it did not have."""
         owners, owned_keys = self.owners, self.owned_keys
-        positions = zip(map(rids.__getitem__, occ[oi].tolist()), g_t[oi].tolist(), p_t[oi].tolist(),
-                        strict=True)
-        for kid, pos in zip(okey[oi].tolist(), positions, strict=True):
+        positions = zip(map(rids.__getitem__, occ), gs, ps, strict=True)
+        for kid, pos in zip(kids, positions, strict=True):
             own = owners.get(kid)
             if own is None:
                 owners[kid] = {pos: None}
@@ -557,16 +575,6 @@ class RepairPolicy(BaselinePolicy):
                 owned_keys[pos[0]] = [kid]
             else:
                 mine.append(kid)
-        self.judged_cached.update(okey[cached].tolist())
-        ifk = self.in_flight_keys
-        sel_k = okey[fi]
-        for kid in sel_k.tolist():
-            ifk[kid] = ifk.get(kid, 0) + 1
-        self._ifk_add(sel_k)
-        s.stores.cursor.index_put_((sl,), n1, accumulate=True)
-        if ev_k.numel():
-            self._record_evictions(ev_k.tolist(), s.cpu_pool.first_of(ev_k).tolist())
-        return True
 
     def plan_eager(self, out: SchedulerOutput, batch: StepBatch) -> None:
         s = self.s

@@ -43,6 +43,7 @@ class StoreTable:
         self._free_slots: list[int] = []
         self.hid_tab = torch.zeros((0, 16), dtype=torch.int64, device=device)  # hash ids per slot
         self.hid_len = torch.zeros(0, dtype=torch.int64, device=device)  # per slot: entries copied in
+        self.hid_done: list[int] = []  # hid_len as a Python list
         self.num_finished = 0  # slots whose request finished with store events pending
         self.version = 0  # bumped whenever a slot's request or finished flag changes
 
@@ -68,6 +69,7 @@ class StoreTable:
             self.events.append(set())
             self.finished.append(False)
             self.hids.append([])
+            self.hid_done.append(0)
         self.slot_of[rid] = s
         self.rid[s] = rid
         self.request[s] = request
@@ -75,6 +77,7 @@ class StoreTable:
         self.finished[s] = False
         self.hids[s] = []
         self.hid_len[s] = 0
+        self.hid_done[s] = 0
         self.cursor[s] = 0
         self.length[s] = 0
         return s
@@ -96,6 +99,7 @@ class StoreTable:
         self.events[s] = set()
         self.hids[s] = []
         self.hid_len[s] = 0
+        self.hid_done[s] = 0
         self._free_slots.append(s)
         return s
 
@@ -163,8 +167,8 @@ class StoreTable:
 
     def _copy_hids(self, slots: list[int]) -> None:
         dev = self.device
-        sl_t = int_tensor(slots, dev)
-        done = self.hid_len[sl_t].tolist()
+        hid_done = self.hid_done
+        done = [hid_done[s] for s in slots]
         hids, request = self.hids, self.request
         known = self.keys.known_hash_id_map()
         at_s: list[int] = []
@@ -182,6 +186,7 @@ class StoreTable:
                 have.extend(add)
             m = len(have)
             lens.append(m)
+            hid_done[s] = m
             if m - d == 1:
                 at_s.append(s)
                 at_p.append(d)
@@ -197,7 +202,7 @@ class StoreTable:
             self.hid_tab = wider
         if new:
             self.hid_tab[int_tensor(at_s, dev), int_tensor(at_p, dev)] = int_tensor(new, dev)
-        self.hid_len[sl_t] = int_tensor(lens, dev)
+        self.hid_len[int_tensor(slots, dev)] = int_tensor(lens, dev)
 
     def sync_hids(self, slot: int) -> list[int]:
         """The hash ids of the slot's request's ``block_hashes`` (interning new ones)."""

@@ -14,9 +14,9 @@ subclasses as the model; ``snapshot()`` is the model's canonical format, key for
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from itertools import compress
-from operator import attrgetter
+from itertools import compress, repeat
 from typing import Any
 
 import torch
@@ -87,8 +87,6 @@ class StepBatch:
     req_ids: list[str]
 
 
-_COMPUTED = attrgetter("num_computed_tokens")
-_PLACEHOLDERS = attrgetter("num_output_placeholders")
 
 
 class TensorOffloadScheduler:
@@ -232,10 +230,14 @@ class TensorOffloadScheduler:
             if batch.req_ids:
                 self.store_event_to_reqs[e] = batch.req_ids
                 slot_of, events = self.stores.slot_of, self.stores.events
-                for r in batch.req_ids:
-                    s = slot_of.get(r)
-                    if s is not None:
-                        events[s].add(e)
+                try:  # every listed request has a slot (the usual step): C-level passes
+                    deque(map(set.add, map(events.__getitem__, map(slot_of.__getitem__, batch.req_ids)),
+                              repeat(e)), maxlen=0)
+                except KeyError:  # set.add is idempotent: redo it request by request
+                    for r in batch.req_ids:
+                        s = slot_of.get(r)
+                        if s is not None:
+                            events[s].add(e)
             meta.store_event = e
             meta.store_gpu_blocks = gpu.tolist()
             meta.store_cpu_blocks = cpu.tolist()
@@ -282,10 +284,8 @@ class TensorOffloadScheduler:
 
     def _ready(self, reqs: list[Any], lengths: torch.Tensor) -> torch.Tensor:
         """Confirmed full blocks per (request, group): computed minus placeholders, capped at the ids."""
-        done = int_tensor(list(map(_COMPUTED, reqs)), self.device)
-        if any(map(_PLACEHOLDERS, reqs)):
-            done = (done - int_tensor(list(map(_PLACEHOLDERS, reqs)), self.device)).clamp(min=0)
-        conf = torch.div(done, self.B, rounding_mode="floor")
+        done = int_tensor([r.num_computed_tokens - r.num_output_placeholders for r in reqs], self.device)
+        conf = torch.div(done.clamp_(min=0), self.B, rounding_mode="floor")
         return torch.minimum(lengths, conf.view(-1, 1))
 
     def eager_segments(self, out: SchedulerOutput) -> list[Segment]:
