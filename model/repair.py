@@ -358,8 +358,8 @@ class RepairScheduler(OffloadScheduler):
         return [(pos[0], gid, cid) for (pos, gid, _), cid in zip(taken, victims, strict=True)]
 
     def _mark_in_flight(self, gpu_ids: list[int]) -> None:
-        self.in_flight_store_gpu_blocks |= set(gpu_ids)
-        self.gpu_pool.touch(gpu_ids)
+        """R4: besides the GPU ids, count the keys being stored."""
+        super()._mark_in_flight(gpu_ids)
         for g in gpu_ids:
             key = self.gpu_pool.block_hash[g]
             self.in_flight_keys[key] = self.in_flight_keys.get(key, 0) + 1
@@ -369,14 +369,6 @@ class RepairScheduler(OffloadScheduler):
         if self._held:
             held, self._held = self._held, []
             self.cpu_pool.free_blocks(held)
-
-    def _allocate_store(self, batch: StoreBatch, rid: str | None, selected: list[int]) -> None:
-        cpu_ids = self._cpu_alloc(len(selected))
-        if rid is not None:
-            batch.req_ids.append(rid)
-        batch.gpu_ids += selected
-        batch.cpu_ids += cpu_ids
-        self._mark_in_flight(selected)
 
     def _on_store_completed(self, t: Transfer) -> None:
         for g in t.gpu_ids:

@@ -320,8 +320,12 @@ class OffloadScheduler:
             batch.req_ids.append(rid)
         batch.gpu_ids += selected
         batch.cpu_ids += cpu_ids
-        self.in_flight_store_gpu_blocks |= set(selected)
-        self.gpu_pool.touch(selected)
+        self._mark_in_flight(selected)
+
+    def _mark_in_flight(self, gpu_ids: list[int]) -> None:
+        """Eager stores pin their GPU blocks and mark them in flight until completion."""
+        self.in_flight_store_gpu_blocks |= set(gpu_ids)
+        self.gpu_pool.touch(gpu_ids)
 
     def _cpu_alloc(self, n: int) -> list[int]:
         """Every CPU allocation goes through here so policies see what it evicted."""
@@ -542,8 +546,7 @@ class OffloadScheduler:
             return
         cpu_ids = self._cpu_alloc(len(selected))
         self.pending_finished_stores.append(Transfer(selected, cpu_ids))
-        self.in_flight_store_gpu_blocks |= set(selected)
-        self.gpu_pool.touch(selected)
+        self._mark_in_flight(selected)
 
     def _select_finish_flush(self, st: StoreState, block_ids: list[list[int]]) -> list[int]:
         """Baseline flush: the ordinary scan over the live table; cursors not written back."""

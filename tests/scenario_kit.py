@@ -20,6 +20,7 @@ from kvspec.interfaces import (
 from kvspec.model import make_scheduler
 from kvspec.model.hashing import block_hashes
 from kvspec.model.hit_search import find_longest_cache_hit
+from kvspec.model.invariants import LOCAL_INVARIANTS, check
 from kvspec.model.scheduler import OffloadScheduler
 
 B = 16
@@ -125,3 +126,8 @@ def store_and_complete(s: OffloadScheduler, r: Req, n_blocks: int) -> list[int]:
     if meta.store_event >= 0:
         complete(s, meta.store_event)
     return ids
+
+
+def assert_clean(s: OffloadScheduler) -> None:
+    """The scheduler-local invariants hold on ``s``'s snapshot."""
+    assert check(s.snapshot(), LOCAL_INVARIANTS) == []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 from scenario_kit import (
     alloc,
+    assert_clean,
     complete,
     cpu_hit,
     cpu_map,
@@ -24,11 +25,7 @@ from scenario_kit import (
     req,
 )
 
-from kvspec.model.invariants import LOCAL_INVARIANTS, check
-
-
-def _clean(s) -> None:  # type: ignore[no-untyped-def]
-    assert check(s.snapshot(), LOCAL_INVARIANTS) == []
+from kvspec.model.invariants import check
 
 
 def test_t1_eager_roundtrip() -> None:
@@ -50,7 +47,7 @@ def test_t1_eager_roundtrip() -> None:
     assert s.cpu_pool.block_hash[1] is None and s.cpu_pool.block_hash[2] is None  # unhashed in flight
     assert s.cpu_pool.ref_cnt[1:3] == [1, 1]
     assert cpu_queue(s) == [3, 4]
-    _clean(s)
+    assert_clean(s)
     # 2. completion 0: registered under H1, H2; MRU tail
     complete(s, 0)
     assert cpu_map(s) == {r.block_hashes[0]: [1], r.block_hashes[1]: [2]}
@@ -84,7 +81,7 @@ def test_t1_eager_roundtrip() -> None:
     assert s.gpu_pool.ref_cnt[4:7] == [1, 1, 1]
     assert s.load_event_to_reqs == {}
     assert s.reqs_to_load == {}
-    _clean(s)
+    assert_clean(s)
 
 
 def _t2_prefix(policy: str = "baseline"):  # type: ignore[no-untyped-def]
@@ -129,7 +126,7 @@ def test_t2_mid_request_cpu_eviction_fixme() -> None:
     r2.tokens, r2.block_hashes = r.tokens, list(h)
     assert s.get_num_new_matched_tokens(r2, 0) == (0, False)
     assert cpu_hit(s, r2) == 0
-    _clean(s)
+    assert_clean(s)
 
 
 def test_t3_same_step_self_eviction() -> None:
@@ -159,7 +156,7 @@ def test_t3_same_step_self_eviction() -> None:
     assert cpu_map(s) == {y.block_hashes[0]: [3], y.block_hashes[1]: [4],
                           a.block_hashes[2]: [1], a.block_hashes[3]: [2]}
     assert cpu_hit(s, a) == 0
-    _clean(s)
+    assert_clean(s)
 
 
 def test_t4_lazy() -> None:
@@ -186,7 +183,7 @@ def test_t4_lazy() -> None:
     # the next walk starts after block 1 and finds nothing
     m = s.build_connector_meta(out())
     assert m.store_event == -1
-    _clean(s)
+    assert_clean(s)
 
 
 def test_t5_finish_time_flush() -> None:
@@ -218,7 +215,7 @@ def test_t5_finish_time_flush() -> None:
     assert s.gpu_pool.ref_cnt[1:3] == [0, 0]
     assert gpu_queue(s)[-2:] == [1, 2]
     assert not s.has_pending_stores()
-    _clean(s)
+    assert_clean(s)
 
 
 def test_t5_flush_joins_the_event_after_the_scan() -> None:
@@ -238,7 +235,7 @@ def test_t5_flush_joins_the_event_after_the_scan() -> None:
     assert (m.store_event, m.store_gpu_blocks, m.store_cpu_blocks) == (0, [4, 5, 6, 1, 2], [3, 4, 5, 1, 2])
     assert s.store_event_to_reqs == {0: ["Bq"]}
     assert s.reqs_to_store["Bq"].store_events == {0}
-    _clean(s)
+    assert_clean(s)
 
 
 @pytest.mark.parametrize("resume", ["mrv2", "mrv1-same-output"])
@@ -276,7 +273,7 @@ def test_t6_resume_after_preemption(resume: str) -> None:
     # n0, n1 already cached; n2 selected; cursor 3
     assert (m.store_gpu_blocks, m.store_cpu_blocks) == ([6], [3])
     assert s.reqs_to_store["R"].num_stored_blocks == [3]
-    _clean(s)
+    assert_clean(s)
 
 
 def test_t7_reset_with_pins_in_flight_store_and_queued_flush() -> None:
@@ -322,7 +319,7 @@ def test_t7_reset_with_pins_in_flight_store_and_queued_flush() -> None:
     assert s.reset() is True
     assert cpu_map(s) == {}
     assert cpu_queue(s) == [3, 4, 5, 6, 7, 1, 2]
-    _clean(s)
+    assert_clean(s)
 
 
 def test_t8_gpu_block_listed_twice_in_one_store() -> None:
@@ -346,5 +343,5 @@ def test_t8_gpu_block_listed_twice_in_one_store() -> None:
     assert gpu_queue(s)[-3:] == [1, 2, 3]
     assert s.gpu_pool.get_num_free_blocks() == 15
     assert s.gpu_pool.ref_cnt[1:5] == [0, 0, 0, 0]
-    _clean(s)
+    assert_clean(s)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from scenario_kit import (
     Req,
     alloc,
+    assert_clean,
     complete,
     cpu_hit,
     cpu_map,
@@ -32,12 +33,7 @@ from scenario_kit import (
     tokens,
 )
 
-from kvspec.model.invariants import LOCAL_INVARIANTS, check
 from kvspec.model.scheduler import OffloadScheduler
-
-
-def _clean(s: OffloadScheduler) -> None:
-    assert check(s.snapshot(), LOCAL_INVARIANTS) == []
 
 
 def _same(r: Req, rid: str) -> Req:
@@ -76,7 +72,7 @@ def test_eager_store_and_load_roundtrip() -> None:
     assert m.load_event == 0 and m.load_event_to_reqs == {0: ["B"]}
     assert len(m.load_gpu_blocks) == len(m.load_cpu_blocks) == 2
     assert m.load_gpu_blocks == d[:2]
-    _clean(s)
+    assert_clean(s)
 
 
 # 2
@@ -105,7 +101,7 @@ def test_lazy_store_and_load_roundtrip() -> None:
     s.update_state_after_alloc(b, (d,), 32)
     m = s.build_connector_meta(out())
     assert m.load_event == 0 and len(m.load_gpu_blocks) == len(m.load_cpu_blocks) == 2
-    _clean(s)
+    assert_clean(s)
 
 
 # 4
@@ -146,7 +142,7 @@ def test_eager_in_flight_store_dedup_across_steps() -> None:
     assert s.in_flight_store_gpu_blocks == set(ga[:2])
     complete(s, ma.store_event)
     assert s.in_flight_store_gpu_blocks == set()
-    _clean(s)
+    assert_clean(s)
 
 
 # 6
@@ -169,7 +165,7 @@ def test_lazy_duplicate_store_skipped() -> None:
     m = s.build_connector_meta(out())
     assert m.store_event == -1
     assert s.cpu_pool.get_num_free_blocks() == free
-    _clean(s)
+    assert_clean(s)
 
 
 # 7
@@ -216,7 +212,7 @@ def test_preemption_no_cpu_block_leak() -> None:
     assert "B" not in s.reqs_to_load
     assert [s.cpu_pool.ref_cnt[c] for c in cpu_ids] == [0, 0]
     assert s.cpu_pool.get_num_free_blocks() == 4
-    _clean(s)
+    assert_clean(s)
 
 
 # 10
@@ -233,7 +229,7 @@ def test_eager_store_preemption_cleanup() -> None:
     complete(s, m.store_event)
     assert "A" not in s.reqs_to_store
     assert s.store_event_to_reqs == {}
-    _clean(s)
+    assert_clean(s)
 
 
 # 11
@@ -249,7 +245,7 @@ def test_inflight_finish_deferred_cleanup() -> None:
     load_done(s, "B")
     assert s.reqs_to_load == {} and s.load_event_to_reqs == {}
     assert [s.gpu_pool.ref_cnt[x] for x in d] == [1, 1, 1]  # only the owner's refs remain
-    _clean(s)
+    assert_clean(s)
 
 
 # 12
@@ -268,7 +264,7 @@ def test_multi_group_null_blocks_skipped() -> None:
     assert s.reqs_to_store["A"].num_stored_blocks == [3]  # the null position is passed
     complete(s, m.store_event)
     assert cpu_hit(s, a) == 0  # the chain starts at the missing position 0
-    _clean(s)
+    assert_clean(s)
 
 
 # 13
@@ -288,7 +284,7 @@ def test_chunked_prefill_reads_live_block_ids() -> None:
     m = s.build_connector_meta(out(cached=[("A", g2)], sched={"A": 32}))
     assert m.store_gpu_blocks == g2  # only the two new blocks
     assert s.reqs_to_store["A"].block_ids == [g1 + g2]
-    _clean(s)
+    assert_clean(s)
 
 
 # 14
@@ -308,7 +304,7 @@ def test_partial_gpu_prefix_plus_cpu_load() -> None:
     assert ls.transfer.cpu_ids == [s.cpu_pool.get_one_block((h, 0)) for h in a.block_hashes[2:4]]
     # the pinned blocks not used are released
     assert [s.cpu_pool.ref_cnt[s.cpu_pool.get_one_block((h, 0))] for h in a.block_hashes[2:6]] == [1, 1, 0, 0]
-    _clean(s)
+    assert_clean(s)
 
 
 # 15
@@ -324,7 +320,7 @@ def test_toctou_cpu_hit_evicted_between_phases_no_crash() -> None:
     d = s.gpu_pool.get_new_blocks(3)
     s.update_state_after_alloc(b, (d,), 32)  # Phase B
     assert len(s.reqs_to_load["B"].transfer.gpu_ids) == 2
-    _clean(s)
+    assert_clean(s)
 
 
 # 16
@@ -343,7 +339,7 @@ def test_reset_pending_eager_stores() -> None:
     assert s.gpu_pool.num_blocks - s.gpu_pool.get_num_free_blocks() == 1
     assert s.reset() is True
     assert cpu_map(s) == {}
-    _clean(s)
+    assert_clean(s)
 
 
 # 17
@@ -363,7 +359,7 @@ def test_reset_pending_lazy_stores() -> None:
     assert s.reset() is True
     assert s.get_num_new_matched_tokens(_same(a, "B"), 0) == (0, False)
     assert gpu_queue(s)  # the GPU side is untouched by the CPU reset
-    _clean(s)
+    assert_clean(s)
 
 
 # 18
@@ -383,4 +379,4 @@ def test_reset_pending_loads() -> None:
     s.gpu_pool.free_blocks(list(reversed(d)))
     assert s.gpu_pool.num_blocks - s.gpu_pool.get_num_free_blocks() == 1
     assert s.reset() is True
-    _clean(s)
+    assert_clean(s)
