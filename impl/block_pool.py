@@ -12,9 +12,10 @@ Two faces:
 * the **pool face** (``get_new_blocks``, ``touch``, ``free_blocks``,
   ``insert_block_hash``, ``get_cached_block``, ``reset_prefix_cache``, plus the
   ``ref_cnt``/``block_hash``/``free_queue`` views) speaks lists and key tuples, checks
-  its input exactly as the model's ``BlockPool`` does (same ``KVSpecError``
-  subclasses, nothing changed on error) and then calls the batch face. The engine
-  model and the harnesses drive a GPU pool through it.
+  its input exactly as the model's ``BlockPool`` does, with the same shared checks of
+  ``kvspec.interfaces`` (same ``KVSpecError`` subclasses, nothing changed on error; a
+  key's group must be below the key table's number of groups) and then calls the batch
+  face. The engine model and the harnesses drive a GPU pool through it.
 
 Rules (vLLM 0.33.0): allocation pops the head and evicts (clears) each block's key;
 touch takes ref-0 blocks out of the queue; free lowers refs per listing and queues
@@ -29,12 +30,19 @@ from typing import Any
 
 import torch
 
-from kvspec.errors import InvalidBlockError, InvalidCountError, OutOfBlocksError
+from kvspec.errors import InvalidBlockError, InvalidCountError, echo
 from kvspec.impl.convert import int_tensor
 from kvspec.impl.free_list import FreeList
 from kvspec.impl.keys import BlockKey, KeyTable
 from kvspec.impl.prefix_index import PrefixIndex
-from kvspec.interfaces import check_free_counts, check_pool_ids
+from kvspec.interfaces import (
+    check_block_key,
+    check_cached_block_query,
+    check_free_counts,
+    check_id_list,
+    check_new_block_count,
+    name_of,
+)
 from kvspec.snapshot import pool_section
 
 NULL_BLOCK = 0
@@ -42,8 +50,8 @@ NULL_BLOCK = 0
 
 class TensorBlockPool:
     def __init__(self, num_blocks: int, name: str, keys: KeyTable, device: torch.device) -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise InvalidCountError(f"{name}: num_blocks must be an int >= 1, got {num_blocks!r}")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise InvalidCountError(f"{name_of(name)}: num_blocks must be an int >= 1, got {echo(num_blocks)}")
         self.name = name
         self.num_blocks = num_blocks
         self.keys = keys
@@ -140,11 +148,18 @@ class TensorBlockPool:
     def get_num_free_blocks(self) -> int:
         return self.free.count
 
+    @property
+    def num_groups(self) -> int:
+        """Group ids of keys are ``0..num_groups-1`` (the key table's, the configuration's)."""
+        return self.keys.num_groups
+
     def get_one_block(self, key: BlockKey) -> int | None:
+        check_block_key(key, self.keys.num_groups, self.name, "look up", lookup=True)
         b = self.index.get_one(self.keys.known_key_id(key))
         return None if b < 0 else b
 
     def get_cached_block(self, block_hash: str, group_ids: list[int]) -> list[int] | None:
+        check_cached_block_query(block_hash, group_ids, self.keys.num_groups, self.name)
         out = []
         for gid in group_ids:
             b = self.index.get_one(self.keys.known_key_id((block_hash, gid)))
@@ -154,20 +169,15 @@ class TensorBlockPool:
         return out
 
     def get_new_blocks(self, n: int) -> list[int]:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise InvalidCountError(f"{self.name}: cannot allocate {n!r} blocks")
-        if n > self.free.count:
-            raise OutOfBlocksError(f"{self.name}: cannot allocate {n} blocks, only {self.free.count} free")
+        check_new_block_count(n, self.free.count, self.name)
         return self.alloc(n)[0].tolist()
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        ids = list(block_ids)
-        self._validate(ids, "touch")
+        ids = self._validate(block_ids, "touch")
         self.touch_t(self.as_ids(ids))
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
-        ids = list(block_ids)
-        self._validate(ids, "free")
+        ids = self._validate(block_ids, "free")
         if not ids:
             return
         t = self.as_ids(ids)
@@ -178,6 +188,7 @@ class TensorBlockPool:
         self.free_t(t)
 
     def insert_block_hash(self, key: BlockKey, block_id: int) -> None:
+        check_block_key(key, self.keys.num_groups, self.name, "register")
         self._validate([block_id], "register")
         current = int(self.key[block_id])
         kid = self.keys.known_key_id(key)
@@ -185,8 +196,8 @@ class TensorBlockPool:
             return
         if current >= 0:
             raise InvalidBlockError(
-                f"{self.name}: block {block_id} already cached as {self.keys.key_text(current)}, "
-                f"cannot also register {key[0]}:{key[1]}"
+                f"{self.name}: block {block_id} already cached as {name_of(self.keys.key_text(current))}, "
+                f"cannot also register {name_of(f'{key[0]}:{key[1]}')}"
             )
         kid = self.keys.key_id(key)
         self.key[block_id] = kid
@@ -196,8 +207,7 @@ class TensorBlockPool:
             self.on_register(int_tensor([kid], self.device), b)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        ids = list(block_ids)
-        self._validate(ids, "evict", allow_null=True)
+        ids = self._validate(block_ids, "evict", allow_null=True)
         for b in ids:
             kid = int(self.key[b])
             if kid >= 0:
@@ -216,11 +226,8 @@ class TensorBlockPool:
         out, self._evicted = self._evicted, []
         return out
 
-    def _validate(self, ids: list[Any], what: str, allow_null: bool = False) -> None:
-        n = self.num_blocks
-        if ids and all(type(b) is int for b in ids) and min(ids) >= (0 if allow_null else 1) and max(ids) < n:
-            return
-        check_pool_ids(ids, n, self.name, what, allow_null)
+    def _validate(self, block_ids: Iterable[Any], what: str, allow_null: bool = False) -> list[int]:
+        return check_id_list(block_ids, self.num_blocks, self.name, what, allow_null)
 
     # -- views the engine reads ----------------------------------------------------------------------
 

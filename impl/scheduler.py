@@ -36,9 +36,12 @@ from kvspec.interfaces import (
     OffloadConfig,
     RequestView,
     SchedulerOutput,
-    check_block_ids,
-    check_connector_output,
+    check_block_table,
     check_count,
+    check_request,
+    check_scheduler_output,
+    check_worker_output,
+    name_of,
 )
 from kvspec.snapshot import Transfer, scheduler_section
 
@@ -134,6 +137,7 @@ class TensorOffloadScheduler:
     # == loads =====================================================================================
 
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+        check_request(request, "get_num_new_matched_tokens")
         check_count(num_computed_tokens, "num_computed_tokens", request.num_tokens)
         stale = self.pending_cpu_hits.pop(request.request_id, None)
         if stale is not None:
@@ -159,22 +163,22 @@ class TensorOffloadScheduler:
         return hit_len, True
 
     def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds, num_external_tokens: int) -> None:
-        ids = check_block_ids(block_ids, self.G, self.gpu_pool.num_blocks, "update_state_after_alloc",
-                              none_groups=False)
-        rid = request.request_id
+        rid = check_request(request, "update_state_after_alloc")
+        ids = check_block_table(block_ids, self.G, self.gpu_pool.num_blocks, "update_state_after_alloc",
+                                none_groups=False)
         check_count(num_external_tokens, "num_external_tokens", request.num_tokens)
         pending = self.pending_cpu_hits.get(rid)
         load: tuple[list[int], list[int]] | None = None
         if num_external_tokens > 0 and pending is not None:
             if num_external_tokens % self.B:
                 raise InvalidOperationError(
-                    f"{rid}: num_external_tokens {num_external_tokens} is not a multiple of "
+                    f"{name_of(rid)}: num_external_tokens {num_external_tokens} is not a multiple of "
                     f"the block size {self.B}")
             if num_external_tokens > pending.hit_len:
                 raise InvalidOperationError(
-                    f"{rid}: accepted {num_external_tokens} external tokens of a {pending.hit_len}-token hit")
+                    f"{name_of(rid)}: accepted {num_external_tokens} external tokens of a {pending.hit_len}-token hit")
             if rid in self.reqs_to_load:
-                raise InvalidOperationError(f"{rid}: a load is already registered")
+                raise InvalidOperationError(f"{name_of(rid)}: a load is already registered")
             load = self._load_pairs(rid, ids, pending, num_external_tokens)
         if not self.lazy_mode and rid not in self.stores:
             self.stores.add(rid, request)
@@ -201,7 +205,7 @@ class TensorOffloadScheduler:
                     continue
                 if start + i >= len(ids[g]) or ids[g][start + i] == 0:
                     raise InvalidOperationError(
-                        f"{rid}: group {g} has no allocated GPU block at position {start + i} for the load")
+                        f"{name_of(rid)}: group {g} has no allocated GPU block at position {start + i} for the load")
                 gpu.append(ids[g][start + i])
                 cpu.append(cb)
         return gpu, cpu
@@ -256,31 +260,9 @@ class TensorOffloadScheduler:
         return meta
 
     def _check_scheduler_output(self, out: SchedulerOutput) -> None:
-        n = self.gpu_pool.num_blocks
-        G = self.G
-        cr = out.scheduled_cached_reqs
-        if len(cr.req_ids) != len(cr.new_block_ids):
-            raise InvalidOperationError(
-                f"scheduled_cached_reqs lists {len(cr.req_ids)} request id(s) but "
-                f"{len(cr.new_block_ids)} block-id entries")
-        tables = [(nr.req_id, nr.block_ids) for nr in out.scheduled_new_reqs]
-        nb = cr.new_block_ids
-        if nb.count(None) != len(nb):
-            tables += [(r, ids) for r, ids in zip(cr.req_ids, nb, strict=True) if ids is not None]
-        for rid, ids in tables:
-            if isinstance(ids, (tuple, list)) and len(ids) == G:
-                flat = [b for g in ids if g is not None for b in g]
-                if not flat or (set(map(type, flat)) == {int} and min(flat) >= 0 and max(flat) < n):
-                    continue
-            check_block_ids(ids, G, n, f"scheduler output for {rid}")
-        counts = out.num_scheduled_tokens
-        self._min_scheduled = 0
-        if counts:
-            low = min(counts.values()) if set(map(type, counts.values())) == {int} else -1
-            if low < 0:
-                for rid, cnt in counts.items():
-                    check_count(cnt, f"num_scheduled_tokens[{rid}]")
-            self._min_scheduled = low
+        """Every field the planning reads, shapes first (``kvspec.interfaces.check_scheduler_output``);
+        notes the smallest scheduled count (0 when none) for the planner's fast path."""
+        self._min_scheduled = check_scheduler_output(out, self.G, self.gpu_pool.num_blocks)
 
     def _ready(self, reqs: list[Any], lengths: torch.Tensor) -> torch.Tensor:
         """Confirmed full blocks per (request, group): computed minus placeholders, capped at the ids."""
@@ -482,7 +464,7 @@ class TensorOffloadScheduler:
             st = self.reqs_to_load.get(rid) or self.abandoned_reqs_to_load.get(rid)
             return None if st is None else st.load_event is not None
 
-        check_connector_output(co, load_sent, self.store_event_counter, self.config.world_size)
+        check_worker_output(co, load_sent, self.store_event_counter, self.config.world_size)
         for e in co.completed_store_events:
             t = self.store_events.get(e)
             if t is not None and bool((self.gpu_pool.key[t.gpu] < 0).any()):
@@ -550,15 +532,16 @@ class TensorOffloadScheduler:
     # == finish ======================================================================================
 
     def request_finished_all_groups(self, request: RequestView, block_ids: BlockIds) -> tuple[bool, None]:
-        ids = check_block_ids(block_ids, self.G, self.gpu_pool.num_blocks, "request_finished",
-                              none_groups=False)
+        check_request(request, "request_finished")
+        ids = check_block_table(block_ids, self.G, self.gpu_pool.num_blocks, "request_finished",
+                                none_groups=False)
         s = self.stores.slot_of.get(request.request_id)
         if s is not None and not self.lazy_mode:
             self.policy.finish_flush(request, s, [list(g) for g in ids])
         return self.request_finished(request)
 
     def request_finished(self, request: RequestView) -> tuple[bool, None]:
-        rid = request.request_id
+        rid = check_request(request, "request_finished", full=False)
         pending = self.pending_cpu_hits.pop(rid, None)
         if pending is not None:
             self.cpu_pool.free_t(pending.pinned)

@@ -61,3 +61,41 @@ class TraceError(KVSpecError):
 
 class SnapshotFormatError(KVSpecError):
     """A snapshot that does not follow the schema: names the field and why."""
+
+
+# -- exit codes of every ``kvspec`` command ---------------------------------------------------
+
+EXIT_CLEAN = 0  # nothing found, every check passed
+EXIT_FINDING = 1  # a violation, a crash of a target, a divergence, or a failed check
+EXIT_BAD_INPUT = 2  # bad input or usage: a malformed file, an unknown name, a bad option
+EXIT_INTERNAL = 3  # kvspec itself failed (a bug in kvspec: please report it)
+EXIT_INTERRUPTED = 130  # Ctrl-C: statistics so far printed, findings kept
+
+ECHO_LIMIT = 80
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def echo(value: object, limit: int = ECHO_LIMIT) -> str:
+    """A bounded rendering of an input value for an error message, safe for any input: ``repr``
+    cut to at most ``limit`` characters (a 5 MB request id reads ``'rrrr…' (5000000 chars)``); an
+    integer too long to print is described by its bit length; a container is rendered only when
+    small (at most 8 items) and flat, else described by its type and size, so that neither a huge
+    nor a deeply nested value is ever rendered whole. O(limit) for strings, O(1) for containers."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[: max(1, limit - 12)]!r}… ({len(value)} chars)"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        parts = [x for kv in value.items() for x in kv] if isinstance(value, dict) and len(value) <= 8 else value
+        flat = len(value) <= 8 and all(
+            isinstance(x, _SCALARS) and not (isinstance(x, int) and x.bit_length() > 256) for x in parts)
+        if not flat:
+            return f"a {type(value).__name__} of {len(value)} item(s)"
+    elif not isinstance(value, _SCALARS):
+        return f"a value of type {type(value).__name__}"
+    text = repr(value)
+    if len(text) > limit:
+        return f"{text[: max(1, limit - 12)]}… ({len(text)} chars)"
+    return text

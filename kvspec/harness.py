@@ -1,19 +1,27 @@
-"""One harness for every target: the Hypothesis state machine, the fuzzer and ``replay``.
+"""One harness for every target: the run loop, the fuzzer, ``replay`` and the Hypothesis machine.
 
-* ``make_state_machine(factory, reference=None, oracle=None)`` returns a
-  ``RuleBasedStateMachine`` class that drives ``Engine(factory(config))`` through
-  everything the engine model can do (bundles for requests, preconditions for what
-  needs state), checks the invariant catalogue after every step (``@invariant``),
-  compares snapshots with a reference target when given, records ``event()`` for
-  the rare paths and ``target()``s them, and writes every failure as a trace.
-* ``fuzz(...)`` is the budgeted random search used by ``kvspec fuzz``/``bugs``:
-  state-aware random operations (``kvspec.opgen``), the oracle after every
-  operation, and delta-debugging shrinking of the failing trace.
-* ``replay(trace, factory)`` reports the first violation or divergence.
+Every operation has exactly one of three outcomes, never confused:
+
+* **accepted**, and then the oracle judges the new snapshot: a broken invariant is a
+  *violation* (a finding, named by the invariant's id);
+* **rejected**: the target (or the engine) raised a ``KVSpecError`` and the snapshot is
+  exactly what it was. Not a finding: bad input refused cleanly. A rejection that changed
+  the state is a *crash* (the refusal came half-way through the operation);
+* **crashed**: any other exception inside the engine or the target. A finding of its own
+  kind, shrunk and saved like a violation, reported with the exception type.
+
+With a reference target the two runs must also agree (a *divergence*); a trace whose
+operation carries ``"expect": "error"`` must be rejected cleanly (else an *expectation*
+finding). ``run_ops`` is the loop; ``fuzz`` draws state-aware operations
+(``kvspec.opgen``), shrinks a finding by delta debugging and hands the unshrunk and the
+shrunk trace to ``on_finding`` as they exist, so an interrupt loses nothing;
+``make_state_machine`` is the Hypothesis ``RuleBasedStateMachine`` over the same engine.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -21,48 +29,89 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvspec import oracle as oracles
 from kvspec.errors import KVSpecError
 from kvspec.interfaces import KVGroup, OffloadConfig
 from kvspec.model.engine import Engine
-from kvspec.model.invariants import CATALOGUE, Violation, check, covered_keys, owned_below_cursor
+from kvspec.model.invariants import Violation, check, covered_keys, owned_below_cursor
 from kvspec.opgen import next_op, random_config_kwargs
 from kvspec.targets import TargetFactory
 from kvspec.trace import Trace
 
+VIOLATION, CRASH, DIVERGENCE, EXPECTATION = "violation", "crash", "divergence", "expectation"
+
 
 def default_oracle(config: OffloadConfig) -> tuple[str, ...]:
-    """The invariants the configured model policy claims."""
-    from kvspec.model import POLICY_CLASSES
-
-    return POLICY_CLASSES[config.policy].claims(config)
+    """The invariants the configured model policy claims (``kvspec.oracle.claims``)."""
+    return oracles.claims(config).ids
 
 
-# -- running operations ---------------------------------------------------------------------
+# -- outcomes -------------------------------------------------------------------------------
 
 
 @dataclass
 class Outcome:
-    """What replaying a list of operations found."""
+    """What running a list of operations found: nothing (``kind`` None) or one finding."""
 
     ops_run: int
     violation: Violation | None = None
     op_index: int | None = None
     divergence: str | None = None
-    error: str | None = None
-    error_kind: str | None = None
+    crash: str | None = None  # "step: KeyError: 3"
+    exception: str | None = None  # the crash's exception type
+    expectation: str | None = None
+    op_name: str | None = None
+    rejected: int = 0  # operations rejected cleanly on the way
+    input_error: bool = False  # the expectation failed because the engine refused the trace's own input
+
+    @property
+    def kind(self) -> str | None:
+        if self.violation is not None:
+            return VIOLATION
+        if self.crash is not None:
+            return CRASH
+        if self.divergence is not None:
+            return DIVERGENCE
+        if self.expectation is not None:
+            return EXPECTATION
+        return None
 
     @property
     def failed(self) -> bool:
-        return self.violation is not None or self.divergence is not None or self.error is not None
+        return self.kind is not None
+
+    def signature(self) -> tuple[str | None, str | None]:
+        """What makes two findings the same one (for shrinking and deduplication)."""
+        if self.violation is not None:
+            return VIOLATION, self.violation.id
+        if self.crash is not None:
+            return CRASH, f"{self.op_name} {self.exception}"
+        return self.kind, None
 
     def describe(self) -> str:
         if self.violation is not None:
             return f"operation {self.op_index}: {self.violation}"
+        if self.crash is not None:
+            return f"operation {self.op_index}: crash: {self.crash}"
         if self.divergence is not None:
             return f"operation {self.op_index}: divergence: {self.divergence}"
-        if self.error is not None:
-            return f"operation {self.op_index}: {self.error}"
-        return f"{self.ops_run} operations, no violation"
+        if self.expectation is not None:
+            return f"operation {self.op_index}: {self.expectation}"
+        rejected = f" ({self.rejected} rejected cleanly)" if self.rejected else ""
+        return f"{self.ops_run} operations{rejected}, no finding"
+
+    def finding(self) -> dict[str, Any] | None:
+        """The trace header's ``finding`` object."""
+        if self.kind is None:
+            return None
+        return {"kind": self.kind, "op_index": self.op_index,
+                "invariant": self.violation.id if self.violation else None, "exception": self.exception}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "op_index": self.op_index, "ops_run": self.ops_run,
+                "violation": self.violation.to_json() if self.violation else None,
+                "crash": self.crash, "exception": self.exception, "divergence": self.divergence,
+                "expectation": self.expectation, "rejected": self.rejected, "description": self.describe()}
 
 
 class RarePaths:
@@ -103,55 +152,127 @@ class RarePaths:
         return hit
 
 
+# -- the run loop ---------------------------------------------------------------------------
+
+
+class Run:
+    """One engine on ``factory(config)`` (and one on the reference, if any), fed one operation at a
+    time; ``apply`` returns the finding an operation produced, or None."""
+
+    def __init__(self, config: OffloadConfig, factory: TargetFactory, oracle: Iterable[str],
+                 reference: TargetFactory | None = None, rare: RarePaths | None = None) -> None:
+        self.ids = tuple(oracle)
+        self.engine = Engine(factory(config))
+        self.ref = Engine(reference(config)) if reference is not None else None
+        self.rare = rare
+        self.index = 0
+        self.rejected = 0
+
+    def apply(self, op: dict[str, Any], recorded: bool = True) -> Outcome | None:
+        """Run ``op``. ``recorded``: the operation comes from a trace, so its ``expect`` must hold
+        (accepted unless ``"expect": "error"``); a generated operation may be rejected freely.
+        Returns the finding, or None (accepted and judged clean, or rejected cleanly)."""
+        i, self.index = self.index, self.index + 1
+        name = str(op.get("op"))
+        expect_error = op.get("expect") == "error"
+        clean = {k: v for k, v in op.items() if k != "expect"}
+        before = self.engine.snapshot()
+        try:
+            self.engine.apply(clean)
+            rejected: KVSpecError | None = None
+        except KVSpecError as exc:
+            rejected = exc
+        except Exception as exc:  # anything else inside the engine or the target is a crash
+            return self._crash(i, name, exc)
+        if rejected is not None:
+            if self.engine.snapshot() != before:
+                return self._crash(i, name, rejected, "its rejection changed the state")
+            self.rejected += 1
+        if recorded and expect_error and rejected is None:
+            return Outcome(i + 1, op_index=i, op_name=name, rejected=self.rejected,
+                           expectation=f"{name} was expected to be rejected, and was accepted")
+        if recorded and not expect_error and rejected is not None:
+            by_target = _raised_in(rejected, (self.engine.target, self.engine.gpu))
+            why = "the target rejected it" if by_target else "the engine rejected it (bad input in the trace)"
+            return Outcome(i + 1, op_index=i, op_name=name, rejected=self.rejected, input_error=not by_target,
+                           expectation=f"{name} is recorded as accepted (no \"expect\": \"error\"), but {why}: "
+                           f"{type(rejected).__name__}: {rejected}")
+        if self.ref is not None:
+            found = self._compare(i, name, clean, rejected)
+            if found is not None:
+                return found
+        if rejected is not None:
+            return None
+        snap = self.engine.snapshot()
+        if self.rare is not None:
+            self.rare.observe(before, snap, clean)
+        violations = check(snap, self.ids)
+        if violations:
+            return Outcome(i + 1, violation=violations[0], op_index=i, op_name=name, rejected=self.rejected)
+        return None
+
+    def _crash(self, i: int, name: str, exc: BaseException, why: str = "") -> Outcome:
+        text = f"{name}: {type(exc).__name__}: {exc}" + (f" ({why})" if why else "")
+        return Outcome(i + 1, op_index=i, op_name=name, crash=text[:500], exception=type(exc).__name__,
+                       rejected=self.rejected)
+
+    def _compare(self, i: int, name: str, op: dict[str, Any], rejected: KVSpecError | None) -> Outcome | None:
+        assert self.ref is not None
+        try:
+            self.ref.apply(op)
+            ref_rejected = False
+        except KVSpecError:
+            ref_rejected = True
+        except Exception as exc:
+            return Outcome(i + 1, op_index=i, op_name=name, rejected=self.rejected,
+                           divergence=f"{name}: the reference crashed: {type(exc).__name__}: {exc}"[:500])
+        if ref_rejected != (rejected is not None):
+            return Outcome(i + 1, op_index=i, op_name=name, rejected=self.rejected,
+                           divergence=f"{name}: target {'rejected' if rejected else 'accepted'} it, reference "
+                           f"{'rejected' if ref_rejected else 'accepted'} it")
+        diff = first_difference(self.ref.snapshot(), self.engine.snapshot())
+        if diff is not None:
+            return Outcome(i + 1, op_index=i, op_name=name, divergence=diff, rejected=self.rejected)
+        return None
+
+
+def _raised_in(exc: BaseException, objects: tuple[object, ...]) -> bool:
+    """Whether ``exc`` was raised inside a method of one of ``objects`` (the target or its GPU pool),
+    as opposed to by the engine's own argument checks. Reads the traceback's frames."""
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if any(owner is o for o in objects):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def start_run(config: OffloadConfig, factory: TargetFactory, oracle: Iterable[str],
+              reference: TargetFactory | None = None, rare: RarePaths | None = None) -> Run | Outcome:
+    """A ``Run``, or the crash of building the target (a finding at no operation)."""
+    try:
+        return Run(config, factory, oracle, reference, rare)
+    except KVSpecError:
+        raise
+    except Exception as exc:
+        return Outcome(0, crash=f"building the target: {type(exc).__name__}: {exc}"[:500],
+                       exception=type(exc).__name__, op_name="(setup)")
+
+
 def run_ops(config: OffloadConfig, ops: Iterable[dict[str, Any]], factory: TargetFactory,
             oracle: Iterable[str] | None = None, reference: TargetFactory | None = None,
             rare: RarePaths | None = None) -> Outcome:
-    """Apply ``ops`` to a fresh engine on ``factory(config)``; stop at the first problem."""
-    ids = tuple(oracle) if oracle is not None else tuple(CATALOGUE)
-    engine = Engine(factory(config))
-    ref = Engine(reference(config)) if reference is not None else None
-    n = 0
-    for i, op in enumerate(ops):
-        n = i + 1
-        expect_error = op.get("expect") == "error"
-        clean = {k: v for k, v in op.items() if k != "expect"}
-        before = engine.snapshot() if (rare is not None or expect_error) else None
-        try:
-            engine.apply(clean)
-            rejected = None
-        except KVSpecError as exc:
-            rejected = exc
-        except Exception as exc:  # a crash inside the target is a finding, not a harness error
-            return Outcome(n, op_index=i, error=f"{op['op']} crashed: {type(exc).__name__}: {exc}",
-                           error_kind=f"{op['op']} {type(exc).__name__}")
-        if expect_error:
-            if rejected is None:
-                return Outcome(n, op_index=i, error=f"{op['op']} was expected to be rejected")
-            if engine.snapshot() != before:
-                return Outcome(n, op_index=i, error=f"rejected {op['op']} changed the state")
-        elif rejected is not None:
-            return Outcome(n, op_index=i, error=f"{op['op']} rejected: {rejected}",
-                           error_kind=f"{op['op']} {type(rejected).__name__}")
-        snap = engine.snapshot()
-        if ref is not None:
-            try:
-                ref.apply(clean)
-                ref_err = None
-            except KVSpecError as exc:
-                ref_err = exc
-            if (ref_err is None) != (rejected is None):
-                return Outcome(n, op_index=i, divergence=f"{op['op']}: target "
-                               f"{'rejected' if rejected else 'accepted'} it, reference "
-                               f"{'rejected' if ref_err else 'accepted'} it")
-            diff = first_difference(ref.snapshot(), snap)
-            if diff is not None:
-                return Outcome(n, op_index=i, divergence=diff)
-        if rare is not None and before is not None:
-            rare.observe(before, snap, clean)
-        found = check(snap, ids)
-        if found:
-            return Outcome(n, violation=found[0], op_index=i)
-    return Outcome(n)
+    """Apply recorded ``ops`` to a fresh engine on ``factory(config)``; stop at the first finding.
+    ``oracle`` defaults to the claims of ``config.policy``. ``ops`` may be a stream."""
+    run = start_run(config, factory, oracle if oracle is not None else default_oracle(config), reference, rare)
+    if isinstance(run, Outcome):
+        return run
+    for op in ops:
+        found = run.apply(op)
+        if found is not None:
+            return found
+    return Outcome(run.index, rejected=run.rejected)
 
 
 def first_difference(want: Any, got: Any, path: str = "") -> str | None:
@@ -190,52 +311,58 @@ def random_config(rng: random.Random, policy: str, lazy: bool = False) -> Offloa
 
 
 def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, n_ops: int,
-             oracle: tuple[str, ...], rare: RarePaths | None = None) -> tuple[list[dict[str, Any]], Outcome]:
-    """Draw up to ``n_ops`` state-aware operations on a fresh target; stop at the first finding."""
-    engine = Engine(factory(config))
+             oracle: Iterable[str], rare: RarePaths | None = None) -> tuple[list[dict[str, Any]], Outcome]:
+    """Draw up to ``n_ops`` state-aware operations on a fresh target; stop at the first finding.
+    Operations the target rejects cleanly change nothing, so they are counted and left out of the
+    returned list (the list replays to the same states)."""
+    run = start_run(config, factory, oracle, None, rare)
+    if isinstance(run, Outcome):
+        return [], run
     ops: list[dict[str, Any]] = []
     for _ in range(n_ops):
-        op = next_op(engine, rng)
-        ops.append(op)
-        before = engine.snapshot() if rare is not None else None
-        try:
-            engine.apply(op)
-        except Exception as exc:
-            verb = "rejected" if isinstance(exc, KVSpecError) else "crashed"
-            return ops, Outcome(len(ops), op_index=len(ops) - 1, error=f"{op['op']} {verb}: {exc}",
-                                error_kind=f"{op['op']} {type(exc).__name__}")
-        snap = engine.snapshot()
-        if rare is not None and before is not None:
-            rare.observe(before, snap, op)
-        found = check(snap, oracle)
-        if found:
-            return ops, Outcome(len(ops), violation=found[0], op_index=len(ops) - 1)
-    return ops, Outcome(len(ops))
+        op = next_op(run.engine, rng)
+        seen = run.rejected
+        found = run.apply(op, recorded=False)
+        if found is not None:
+            ops.append(op)
+            found.op_index = len(ops) - 1
+            return ops, found
+        if run.rejected == seen:
+            ops.append(op)
+    return ops, Outcome(len(ops), rejected=run.rejected)
 
 
-def _same_finding(a: Outcome, b: Outcome) -> bool:
-    if a.violation is not None:
-        return b.violation is not None and b.violation.id == a.violation.id
-    return a.error_kind is not None and a.error_kind == b.error_kind
-
-
-def shrink(config: OffloadConfig, ops: list[dict[str, Any]], factory: TargetFactory, oracle: tuple[str, ...],
+def shrink(config: OffloadConfig, ops: list[dict[str, Any]], factory: TargetFactory, oracle: Iterable[str],
            finding: Outcome, deadline: float) -> tuple[list[dict[str, Any]], Outcome]:
-    """Delta debugging: drop chunks of operations while the same finding remains."""
-    best, best_out = list(ops[: (finding.op_index or len(ops)) + 1]), finding
+    """Delta debugging: drop chunks of operations while the same finding (same kind, same invariant
+    or same crash) remains. Stops at ``deadline`` or on Ctrl-C with the smallest trace so far
+    (every candidate kept was replayed to the finding)."""
+    ids = tuple(oracle)
+    best, best_out = list(ops[: (finding.op_index if finding.op_index is not None else len(ops)) + 1]), finding
     chunk = max(1, len(best) // 2)
-    while chunk >= 1 and time.monotonic() < deadline:
-        i, progress = 0, False
-        while i < len(best) and time.monotonic() < deadline:
-            cand = best[:i] + best[i + chunk:]
-            out = run_ops(config, cand, factory, oracle)
-            if out.failed and _same_finding(finding, out):
-                best, best_out, progress = cand[: (out.op_index or 0) + 1], out, True
-            else:
-                i += chunk
-        if not progress:
-            chunk //= 2
+    try:
+        while chunk >= 1 and time.monotonic() < deadline:
+            i, progress = 0, False
+            while i < len(best) and time.monotonic() < deadline:
+                cand = best[:i] + best[i + chunk:]
+                out = run_ops(config, cand, factory, ids)
+                if out.failed and out.signature() == finding.signature():
+                    best, best_out, progress = cand[: (out.op_index or 0) + 1], out, True
+                else:
+                    i += chunk
+            if not progress:
+                chunk //= 2
+    except KeyboardInterrupt:
+        raise ShrinkInterrupted(best, best_out) from None
     return best, best_out
+
+
+class ShrinkInterrupted(KeyboardInterrupt):
+    """Ctrl-C during shrinking, carrying the smallest trace found so far."""
+
+    def __init__(self, ops: list[dict[str, Any]], outcome: Outcome) -> None:
+        super().__init__()
+        self.ops, self.outcome = ops, outcome
 
 
 @dataclass
@@ -244,40 +371,129 @@ class FuzzResult:
     seconds: float
     traces: int
     ops: int
+    oracle: str = ""
     outcome: Outcome | None = None
     trace: Trace | None = None
+    unshrunk: Trace | None = None
     rare: dict[str, int] = field(default_factory=dict)
+    rejected: int = 0
+    interrupted: bool = False
+
+    @property
+    def kind(self) -> str | None:
+        return self.outcome.kind if self.found and self.outcome is not None else None
+
+    @property
+    def ops_per_second(self) -> float:
+        return self.ops / self.seconds if self.seconds > 0 else 0.0
 
 
-def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: tuple[str, ...] | None = None,
+FindingSink = Callable[[Trace, str], None]  # (trace, "unshrunk" | "shrunk")
+
+
+def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: str | None = None,
          target_name: str = "model", ops_per_trace: int = 60, lazy: bool = False,
          progress: Callable[[int, int, float], None] | None = None,
-         config_for: Callable[[random.Random], OffloadConfig] | None = None) -> FuzzResult:
-    """Random traces until a finding or ``budget`` seconds; the finding is shrunk."""
+         config_for: Callable[[random.Random], OffloadConfig] | None = None,
+         bug: str | None = None, on_finding: FindingSink | None = None) -> FuzzResult:
+    """Random traces until a finding or ``budget`` seconds. ``oracle`` is an oracle spec
+    (``kvspec.oracle.resolve``: None/``claims``, ``all`` or ids), resolved for each random
+    configuration; ``bug`` names the known-bug variant under test. A finding is handed to
+    ``on_finding`` unshrunk, then shrunk; Ctrl-C returns what was found so far."""
     rng = random.Random(seed)
     start = time.monotonic()
     rare = RarePaths()
-    traces = ops = 0
-    while time.monotonic() - start < budget:
-        cfg = config_for(rng) if config_for else random_config(rng, policy, lazy)
-        orc = oracle if oracle is not None else default_oracle(cfg)
-        trace_ops, out = generate(cfg, factory, rng, ops_per_trace, orc, rare)
-        traces += 1
-        ops += len(trace_ops)
-        if progress is not None:
-            progress(traces, ops, time.monotonic() - start)
-        if out.failed:
-            small, small_out = shrink(cfg, trace_ops, factory, orc, out, time.monotonic() + max(5.0, budget))
-            trace = Trace(replace(cfg), small, target_name, seed,
-                          note=f"finding: {small_out.describe()}")
-            return FuzzResult(True, time.monotonic() - start, traces, ops, small_out, trace, rare.counts)
-    return FuzzResult(False, time.monotonic() - start, traces, ops, rare=rare.counts)
+    res = FuzzResult(False, 0.0, 0, 0, rare=rare.counts)
+    try:
+        while time.monotonic() - start < budget:
+            cfg = config_for(rng) if config_for else random_config(rng, policy, lazy)
+            orc = oracles.resolve(oracle, cfg, bug)
+            res.oracle = orc.name
+            trace_ops, out = generate(cfg, factory, rng, ops_per_trace, orc.ids, rare)
+            res.traces += 1
+            res.ops += len(trace_ops)
+            res.rejected += out.rejected
+            if progress is not None:
+                progress(res.traces, res.ops, time.monotonic() - start)
+            if not out.failed:
+                continue
+            res.found, res.outcome = True, out
+            res.unshrunk = _finding_trace(cfg, trace_ops, target_name, seed, orc, out)
+            if on_finding is not None:
+                on_finding(res.unshrunk, "unshrunk")
+            try:
+                small, small_out = shrink(cfg, trace_ops, factory, orc.ids, out, time.monotonic() + max(5.0, budget))
+            except ShrinkInterrupted as stop:
+                res.interrupted = True
+                small, small_out = stop.ops, stop.outcome
+            res.outcome = small_out
+            res.trace = _finding_trace(cfg, small, target_name, seed, orc, small_out)
+            if on_finding is not None:
+                on_finding(res.trace, "shrunk")
+            break
+    except KeyboardInterrupt:
+        res.interrupted = True
+    res.seconds = time.monotonic() - start
+    return res
 
 
-def write_trace(trace: Trace, out_dir: str | Path, name: str) -> Path:
-    path = Path(out_dir) / f"{name}.jsonl"
-    trace.write(path)
-    return path
+def _finding_trace(cfg: OffloadConfig, ops: list[dict[str, Any]], target: str, seed: int,
+                   orc: oracles.Oracle, out: Outcome) -> Trace:
+    return Trace(replace(cfg), list(ops), target, seed, note=f"finding: {out.describe()}"[:2000],
+                 oracle=orc.ids, finding=out.finding())
+
+
+# -- finding files --------------------------------------------------------------------------
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._+" else "-" for c in text).strip("-")[:60] or "x"
+
+
+def finding_name(target: str, policy: str, oracle_name: str, trace: Trace, stage: str = "") -> str:
+    """``<target>-<policy>-<oracle>[-unshrunk]-<content hash>.jsonl``: two findings never share a
+    name unless their traces are the same."""
+    digest = hashlib.sha256(trace.dumps().encode()).hexdigest()[:12]
+    oracle_part = "claims" if oracle_name.startswith("claims") else oracle_name.split(" ")[0]
+    parts = [_slug(target), _slug(policy), _slug(oracle_part.replace(",", "+"))]
+    if stage == "unshrunk":
+        parts.append("unshrunk")
+    return "-".join([*parts, digest]) + ".jsonl"
+
+
+def save_trace(trace: Trace, out_dir: str | Path, name: str) -> Path:
+    """Write ``trace`` as ``out_dir/name`` without ever overwriting a different file: an existing
+    file with the same text is kept as it is; another name gets a ``-2``, ``-3``... suffix.
+    Raises ``OSError`` when the directory cannot be written."""
+    directory = Path(out_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    text = trace.dumps()
+    stem, suffix = (name[:-6], ".jsonl") if name.endswith(".jsonl") else (name, ".jsonl")
+    for n in range(1, 1000):
+        path = directory / (f"{stem}{suffix}" if n == 1 else f"{stem}-{n}{suffix}")
+        try:
+            with open(path, "x", encoding="utf-8") as fh:
+                fh.write(text)
+            return path
+        except FileExistsError:
+            if path.read_text(encoding="utf-8") == text:
+                return path
+    raise OSError(f"{directory}: too many findings named {stem}")
+
+
+def check_writable(out_dir: str | Path) -> None:
+    """Fail early (``ConfigError``) when findings could not be written to ``out_dir``."""
+    from kvspec.errors import ConfigError
+
+    directory = Path(out_dir)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".kvspec-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--out {str(out_dir)[:200]!r} is not a writable directory: "
+                          f"{exc.strerror or exc}") from None
 
 
 # -- the Hypothesis state machine -----------------------------------------------------------
@@ -332,6 +548,8 @@ def make_state_machine(factory: TargetFactory, reference: TargetFactory | None =
                 err = None
             except KVSpecError as exc:
                 err = exc
+            except Exception as exc:  # a crash: saved as a trace like any finding, then re-raised
+                self._fail_if(True, f"{op['op']} crashed: {type(exc).__name__}: {exc}")
             if self.ref is not None:
                 try:
                     self.ref.apply(op)
@@ -351,8 +569,8 @@ def make_state_machine(factory: TargetFactory, reference: TargetFactory | None =
         def _fail_if(self, cond: bool, message: str) -> None:
             if cond:
                 if trace_dir is not None and self.config is not None:
-                    write_trace(Trace(self.config, self.ops, "harness", None, note=message), trace_dir,
-                                f"failure-{policy}")
+                    trace = Trace(self.config, self.ops, "harness", None, note=message[:2000])
+                    save_trace(trace, trace_dir, finding_name("harness", policy, "claims", trace))
                 raise AssertionError(message)
 
         def _waiting(self) -> list[str]:

@@ -21,6 +21,7 @@ from kvspec.errors import (
     InvalidOperationError,
     UnknownEventError,
     UnknownRequestError,
+    echo,
 )
 
 POLICIES = ("baseline", "signal-rescan", "repair")
@@ -28,13 +29,82 @@ POLICIES = ("baseline", "signal-rescan", "repair")
 
 # -- configuration ---------------------------------------------------------------------------
 
+GROUP_KINDS = ("full", "sliding")
+MAX_POOL_BLOCKS = 1 << 22  # each pool, null block included (the benchmarks use ~1.1 million CPU blocks)
+MAX_BLOCK_SIZE = 1 << 12
+MAX_WORLD_SIZE = 64
+MAX_BATCHED_TOKENS = 1 << 20
+MAX_GROUPS = 8
+MAX_SLIDING_WINDOW = 1 << 20
+CONFIG_KEYS = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "groups", "world_size", "lazy_offload",
+               "max_num_batched_tokens", "policy")
+_REQUIRED_KEYS = ("block_size", "num_gpu_blocks", "num_cpu_blocks")
+_GROUP_KEYS = ("kind", "sliding_window")
+
+
+def _check_int(value: object, what: str, lo: int, hi: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{what}: expected an integer, got {echo(value)}")
+    if value < lo:
+        raise ConfigError(f"{what} must be >= {lo}, got {echo(value)}")
+    if value > hi:
+        raise ConfigError(f"{what} = {echo(value)} is outside {lo}..{hi}")
+
+
+def _check_group(kind: object, sliding_window: object, where: str) -> None:
+    if not isinstance(kind, str) or kind not in GROUP_KINDS:
+        raise ConfigError(f"{where}kind: unknown group kind {echo(kind)}; known: {', '.join(GROUP_KINDS)}")
+    if kind == "sliding" and isinstance(sliding_window, int) and not isinstance(sliding_window, bool) \
+            and sliding_window < 1:
+        raise ConfigError(f"{where}sliding_window = {echo(sliding_window)}: a sliding-window group needs "
+                          "sliding_window >= 1")
+    _check_int(sliding_window, f"{where}sliding_window", 0, MAX_SLIDING_WINDOW)  # a full group ignores it
+
+
+def _check_config(block_size: object, num_gpu_blocks: object, num_cpu_blocks: object, groups: object,
+                  world_size: object, lazy_offload: object, max_num_batched_tokens: object, policy: object,
+                  where: str) -> None:
+    """Every field of an :class:`OffloadConfig`; ``where`` prefixes the field names
+    (``"config."`` for a file). Raises ``ConfigError`` naming the first bad field."""
+    _check_int(block_size, f"{where}block_size", 1, MAX_BLOCK_SIZE)
+    for name, n in (("num_gpu_blocks", num_gpu_blocks), ("num_cpu_blocks", num_cpu_blocks)):
+        if isinstance(n, int) and not isinstance(n, bool) and n < 2:
+            raise ConfigError(f"{where}{name} = {echo(n)}: each pool needs at least 2 blocks "
+                              "(one is the null block)")
+        _check_int(n, f"{where}{name}", 2, MAX_POOL_BLOCKS)
+    if not isinstance(groups, tuple):
+        raise ConfigError(f"{where}groups: expected a tuple of KVGroup, got {echo(groups)}")
+    if len(groups) > MAX_GROUPS:
+        raise ConfigError(f"{where}groups: {len(groups)} groups, more than {MAX_GROUPS}")
+    for i, g in enumerate(groups):
+        if not isinstance(g, KVGroup):
+            raise ConfigError(f"{where}groups[{i}]: expected a KVGroup, got {echo(g)}")
+        _check_group(g.kind, g.sliding_window, f"{where}groups[{i}].")
+    if not any(g.kind == "full" for g in groups):
+        raise ConfigError(f"{where}groups: the offload manager needs a full-attention group (vLLM asserts one)")
+    _check_int(world_size, f"{where}world_size", 1, MAX_WORLD_SIZE)
+    if not isinstance(lazy_offload, bool):
+        raise ConfigError(f"{where}lazy_offload: expected true or false, got {echo(lazy_offload)}")
+    _check_int(max_num_batched_tokens, f"{where}max_num_batched_tokens", 1, MAX_BATCHED_TOKENS)
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ConfigError(f"{where}policy: unknown policy {echo(policy)}; known: {', '.join(POLICIES)}")
+    if lazy_offload and policy != "baseline":
+        raise ConfigError(f"{where}lazy_offload: lazy offload has no per-request store state: "
+                          "use policy 'baseline'")
+
 
 @dataclass(frozen=True)
 class KVGroup:
-    """One KV-cache group: full attention, or sliding window of ``sliding_window`` tokens."""
+    """One KV-cache group: full attention, or sliding window of ``sliding_window`` tokens.
+
+    Checked when constructed: ``kind`` is ``"full"`` or ``"sliding"``, ``sliding_window`` an int
+    in 0..MAX_SLIDING_WINDOW (at least 1 for a sliding group); else ``ConfigError``."""
 
     kind: Literal["full", "sliding"] = "full"
     sliding_window: int = 0
+
+    def __post_init__(self) -> None:
+        _check_group(self.kind, self.sliding_window, "")
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "sliding_window": self.sliding_window}
@@ -47,6 +117,11 @@ class OffloadConfig:
     ``block_size`` is vLLM's scheduler block size, equal to ``hash_block_size`` and to
     every group's block size. ``num_cpu_blocks`` counts the CPU null block, as vLLM's
     explicit ``num_cpu_blocks`` does ("5 total = 4 usable").
+
+    Checked when constructed (``validate``): every integer a real ``int`` (not a bool, not a
+    float) within its bound, ``groups`` a tuple of at most MAX_GROUPS ``KVGroup`` with a
+    full-attention group, ``lazy_offload`` a bool, ``policy`` a known name; else ``ConfigError``
+    naming the field.
     """
 
     block_size: int = 16
@@ -58,24 +133,13 @@ class OffloadConfig:
     max_num_batched_tokens: int = 64
     policy: str = "repair"
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        if self.block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_gpu_blocks < 2 or self.num_cpu_blocks < 2:
-            raise ConfigError("each pool needs at least 2 blocks (one is the null block)")
-        if not self.groups or all(g.kind != "full" for g in self.groups):
-            raise ConfigError("the offload manager needs a full-attention group (vLLM asserts one)")
-        for g in self.groups:
-            if g.kind not in ("full", "sliding"):
-                raise ConfigError(f"unknown group kind {g.kind!r}")
-            if g.kind == "sliding" and g.sliding_window < 1:
-                raise ConfigError("a sliding-window group needs sliding_window >= 1")
-        if self.world_size < 1:
-            raise ConfigError(f"world_size must be >= 1, got {self.world_size}")
-        if self.policy not in POLICIES:
-            raise ConfigError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
-        if self.lazy_offload and self.policy != "baseline":
-            raise ConfigError("lazy offload has no per-request store state: use policy 'baseline'")
+        """Raise ``ConfigError`` naming the first bad field (run by the constructor)."""
+        _check_config(self.block_size, self.num_gpu_blocks, self.num_cpu_blocks, self.groups, self.world_size,
+                      self.lazy_offload, self.max_num_batched_tokens, self.policy, "")
 
     @property
     def num_groups(self) -> int:
@@ -106,20 +170,48 @@ class OffloadConfig:
         }
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> OffloadConfig:
-        groups = tuple(KVGroup(g["kind"], int(g.get("sliding_window", 0))) for g in d.get("groups", []))
-        cfg = OffloadConfig(
-            block_size=int(d["block_size"]),
-            num_gpu_blocks=int(d["num_gpu_blocks"]),
-            num_cpu_blocks=int(d["num_cpu_blocks"]),
-            groups=groups or (KVGroup(),),
-            world_size=int(d.get("world_size", 1)),
-            lazy_offload=bool(d.get("lazy_offload", False)),
-            max_num_batched_tokens=int(d.get("max_num_batched_tokens", 64)),
-            policy=str(d.get("policy", "repair")),
-        )
-        cfg.validate()
-        return cfg
+    def from_json(d: object, where: str = "config") -> OffloadConfig:
+        """The inverse of ``to_json``, strict: no coercion (``"false"`` is not a bool, ``32.5`` not
+        an integer), unknown keys refused; ``block_size``, ``num_gpu_blocks`` and ``num_cpu_blocks``
+        are required, the other keys default as in the constructor (``groups`` empty or absent: one
+        full-attention group). ``ConfigError`` names the field as ``{where}.key``."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: expected an object, got {echo(d)}")
+        for key in d:
+            if key not in CONFIG_KEYS:
+                raise ConfigError(f"{where}: unknown key {echo(key)}; known: {', '.join(CONFIG_KEYS)}")
+        for key in _REQUIRED_KEYS:
+            if key not in d:
+                raise ConfigError(f"{where}.{key}: missing (required)")
+        raw_groups = d.get("groups", [])
+        if not isinstance(raw_groups, list):
+            raise ConfigError(f"{where}.groups: expected a list of groups, got {echo(raw_groups)}")
+        if len(raw_groups) > MAX_GROUPS:
+            raise ConfigError(f"{where}.groups: {len(raw_groups)} groups, more than {MAX_GROUPS}")
+        groups = []
+        for i, g in enumerate(raw_groups):
+            at = f"{where}.groups[{i}]"
+            if not isinstance(g, dict):
+                raise ConfigError(f"{at}: expected an object, got {echo(g)}")
+            for key in g:
+                if key not in _GROUP_KEYS:
+                    raise ConfigError(f"{at}: unknown key {echo(key)}; known: {', '.join(_GROUP_KEYS)}")
+            if "kind" not in g:
+                raise ConfigError(f"{at}.kind: missing (required)")
+            _check_group(g["kind"], g.get("sliding_window", 0), f"{at}.")
+            groups.append(KVGroup(g["kind"], g.get("sliding_window", 0)))
+        fields: dict[str, Any] = {
+            "block_size": d["block_size"],
+            "num_gpu_blocks": d["num_gpu_blocks"],
+            "num_cpu_blocks": d["num_cpu_blocks"],
+            "groups": tuple(groups) or (KVGroup(),),
+            "world_size": d.get("world_size", 1),
+            "lazy_offload": d.get("lazy_offload", False),
+            "max_num_batched_tokens": d.get("max_num_batched_tokens", 64),
+            "policy": d.get("policy", "repair"),
+        }
+        _check_config(**fields, where=f"{where}.")
+        return OffloadConfig(**fields)
 
 
 # -- vLLM-shaped inputs ----------------------------------------------------------------------
@@ -260,11 +352,12 @@ def check_block_ids(block_ids: object, num_groups: int, num_blocks: int, what: s
 
 
 def check_count(value: object, what: str, upper: int | None = None) -> int:
-    """A non-negative int, at most ``upper`` when given."""
+    """A non-negative int (not a bool), at most ``upper`` when given; else ``InvalidCountError``
+    quoting the value through ``echo``."""
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidCountError(f"{what} must be a non-negative int, got {value!r}")
+        raise InvalidCountError(f"{what} must be a non-negative int, got {echo(value)}")
     if upper is not None and value > upper:
-        raise InvalidCountError(f"{what} = {value} exceeds {upper}")
+        raise InvalidCountError(f"{what} = {echo(value)} exceeds {echo(upper)}")
     return value
 
 
@@ -303,3 +396,285 @@ def check_connector_output(out: KVConnectorOutput, load_sent: Callable[[str], bo
         check_count(c, f"worker count for store event {e}", world_size)
         if c == 0:
             raise InvalidOperationError(f"worker count for store event {e} is 0")
+
+
+# -- entry-point checks with bounded messages (issue 11) ---------------------------------------
+#
+# Every public entry point of the model and the implementation checks the *shape* of what it is
+# given with these functions before anything else, so both raise the same ``KVSpecError``
+# subclass for the same bad input: a wrong type or a missing field is an
+# ``InvalidOperationError``, a bad count an ``InvalidCountError``, a bad block id, key or group
+# id given to a pool an ``InvalidBlockError``, per-group data of the wrong shape a
+# ``GroupCountError``. Each message quotes a bad value through ``echo`` (bounded), so a 5 MB
+# request id never reaches a message whole. The fast paths (one C-level pass over the types,
+# then min/max) keep the checks O(input) and cheap on the implementation's hot path.
+
+from collections.abc import Iterable as _Iterable  # noqa: E402  (kept with the checks that use it)
+from collections.abc import Mapping as _Mapping  # noqa: E402
+
+from kvspec.errors import ECHO_LIMIT, OutOfBlocksError  # noqa: E402
+
+_MISSING = object()
+_ID_COLLECTIONS = (set, frozenset, list, tuple)
+
+
+def _all_str(items: _Iterable[object]) -> bool:
+    """Every item a str: one C-level pass (``str.join`` refuses anything else)."""
+    try:
+        "".join(items)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
+def name_of(value: object) -> str:
+    """A request id (or key text) as a message names it: a short string as it is, anything else
+    ``echo``'d."""
+    if isinstance(value, str) and len(value) <= ECHO_LIMIT:
+        return value
+    return echo(value)
+
+
+def check_request_ids(ids: object, what: str) -> None:
+    """A collection (set, frozenset, list or tuple) of request ids, each a str."""
+    if not isinstance(ids, _ID_COLLECTIONS):
+        raise InvalidOperationError(f"{what} must be a set or list of request ids, got {echo(ids)}")
+    if ids and not _all_str(ids):
+        bad = next(r for r in ids if not isinstance(r, str))
+        raise InvalidOperationError(f"{what}: a request id must be a str, got {echo(bad)}")
+
+
+def check_request(request: object, what: str, *, full: bool = True) -> str:
+    """A ``RequestView`` as an entry point reads it; returns its ``request_id`` (a str).
+
+    ``full`` (lookup, registration, finish): also ``num_tokens``, ``num_computed_tokens`` and
+    ``num_output_placeholders`` (non-negative ints), ``skip_reading_prefix_cache`` (a bool) and
+    ``block_hashes`` (a list or tuple of str). O(hashes)."""
+    rid = getattr(request, "request_id", _MISSING)
+    if rid is _MISSING:
+        raise InvalidOperationError(f"{what}: expected a request (an object with request_id), got {echo(request)}")
+    if not isinstance(rid, str):
+        raise InvalidOperationError(f"{what}: request_id must be a str, got {echo(rid)}")
+    if not full:
+        return rid
+    label = f"{what}: request {name_of(rid)}"
+    values = {}
+    for name in ("num_tokens", "num_computed_tokens", "num_output_placeholders", "skip_reading_prefix_cache",
+                 "block_hashes"):
+        v = getattr(request, name, _MISSING)
+        if v is _MISSING:
+            raise InvalidOperationError(f"{label} has no field {name}")
+        values[name] = v
+    for name in ("num_tokens", "num_computed_tokens", "num_output_placeholders"):
+        check_count(values[name], f"{label}: {name}")
+    if not isinstance(values["skip_reading_prefix_cache"], bool):
+        raise InvalidOperationError(f"{label}: skip_reading_prefix_cache must be a bool, "
+                                    f"got {echo(values['skip_reading_prefix_cache'])}")
+    hashes = values["block_hashes"]
+    if not isinstance(hashes, (list, tuple)):
+        raise InvalidOperationError(f"{label}: block_hashes must be a list of str, got {echo(hashes)}")
+    if hashes and not _all_str(hashes):
+        i, bad = next((i, h) for i, h in enumerate(hashes) if not isinstance(h, str))
+        raise InvalidOperationError(f"{label}: block_hashes[{i}] must be a str, got {echo(bad)}")
+    return rid
+
+
+def check_block_table(block_ids: object, num_groups: int, num_blocks: int, what: str, *,
+                      none_groups: bool = True) -> BlockIds:
+    """``check_block_ids`` with bounded messages and a group that is not a list refused: one list
+    (or tuple) of GPU block ids per group, every id an int in ``0..num_blocks-1``; a group may be
+    None only when ``none_groups``. ``GroupCountError`` for the shape, ``InvalidBlockError`` for
+    an id. O(ids)."""
+    if not isinstance(block_ids, (tuple, list)) or len(block_ids) != num_groups:
+        got = len(block_ids) if isinstance(block_ids, (tuple, list)) else type(block_ids).__name__
+        raise GroupCountError(f"{what}: expected block ids for {num_groups} group(s), got {got}")
+    for g, ids in enumerate(block_ids):
+        if ids is None:
+            if not none_groups:
+                raise GroupCountError(f"{what}: group {g} has no block ids (None)")
+            continue
+        if not isinstance(ids, (list, tuple)):
+            raise GroupCountError(f"{what}: group {g} must be a list of block ids, got {echo(ids)}")
+        if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < num_blocks):
+            continue
+        for b in ids:
+            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:
+                raise InvalidBlockError(f"{what}: group {g} block id {echo(b)} out of range 0..{num_blocks - 1}")
+    return tuple(block_ids)
+
+
+def _field(obj: object, name: str, what: str, expected: str) -> Any:
+    v = getattr(obj, name, _MISSING)
+    if v is _MISSING:
+        raise InvalidOperationError(f"{what}: expected {expected}, got {echo(obj)} (no field {name})")
+    return v
+
+
+def check_scheduler_output(out: object, num_groups: int, num_blocks: int) -> int:
+    """Everything ``build_connector_meta`` reads of a ``SchedulerOutput``, shapes first:
+    ``scheduled_new_reqs`` a list of ``NewRequestData`` (``req_id`` a str, ``block_ids`` a block
+    table); ``scheduled_cached_reqs`` with ``req_ids`` (a list of str), ``new_block_ids`` (a list
+    as long, each entry None or a block table whose groups may be None) and ``resumed_req_ids``;
+    ``preempted_req_ids`` and ``finished_req_ids`` sets (or lists) of str;
+    ``num_scheduled_tokens`` a dict str -> non-negative int. Returns the smallest
+    ``num_scheduled_tokens`` value (0 when there is none). O(requests + ids)."""
+    what, so = "build_connector_meta", "a SchedulerOutput"
+    new = _field(out, "scheduled_new_reqs", what, so)
+    cr = _field(out, "scheduled_cached_reqs", what, so)
+    counts = _field(out, "num_scheduled_tokens", what, so)
+    preempted = _field(out, "preempted_req_ids", what, so)
+    finished = _field(out, "finished_req_ids", what, so)
+    if not isinstance(new, list):
+        raise InvalidOperationError(f"scheduled_new_reqs must be a list of NewRequestData, got {echo(new)}")
+    tables: list[tuple[str, Any]] = []
+    for i, nr in enumerate(new):
+        rid = _field(nr, "req_id", f"scheduled_new_reqs[{i}]", "a NewRequestData")
+        ids = _field(nr, "block_ids", f"scheduled_new_reqs[{i}]", "a NewRequestData")
+        if not isinstance(rid, str):
+            raise InvalidOperationError(f"scheduled_new_reqs[{i}].req_id must be a str, got {echo(rid)}")
+        tables.append((rid, ids))
+    crd = "a CachedRequestData"
+    req_ids = _field(cr, "req_ids", "scheduled_cached_reqs", crd)
+    new_ids = _field(cr, "new_block_ids", "scheduled_cached_reqs", crd)
+    resumed = _field(cr, "resumed_req_ids", "scheduled_cached_reqs", crd)
+    if not isinstance(req_ids, list):
+        raise InvalidOperationError(f"scheduled_cached_reqs.req_ids must be a list of str, got {echo(req_ids)}")
+    check_request_ids(req_ids, "scheduled_cached_reqs.req_ids")
+    if not isinstance(new_ids, list):
+        raise InvalidOperationError(f"scheduled_cached_reqs.new_block_ids must be a list, got {echo(new_ids)}")
+    check_request_ids(resumed, "scheduled_cached_reqs.resumed_req_ids")
+    check_request_ids(preempted, "preempted_req_ids")
+    check_request_ids(finished, "finished_req_ids")
+    if not isinstance(counts, _Mapping):
+        raise InvalidOperationError(f"num_scheduled_tokens must be a dict request id -> tokens, got {echo(counts)}")
+    if counts and not _all_str(counts):
+        bad = next(r for r in counts if not isinstance(r, str))
+        raise InvalidOperationError(f"num_scheduled_tokens: a request id must be a str, got {echo(bad)}")
+    if len(req_ids) != len(new_ids):
+        raise InvalidOperationError(
+            f"scheduled_cached_reqs lists {len(req_ids)} request id(s) but {len(new_ids)} block-id entries")
+    if new_ids.count(None) != len(new_ids):
+        tables += [(r, ids) for r, ids in zip(req_ids, new_ids, strict=True) if ids is not None]
+    for rid, ids in tables:
+        if (isinstance(ids, (tuple, list)) and len(ids) == num_groups
+                and all(g is None or isinstance(g, (list, tuple)) for g in ids)):
+            flat = [b for g in ids if g is not None for b in g]
+            if not flat or (set(map(type, flat)) == {int} and min(flat) >= 0 and max(flat) < num_blocks):
+                continue
+        check_block_table(ids, num_groups, num_blocks, f"scheduler output for {name_of(rid)}")
+    if not counts:
+        return 0
+    values = counts.values()
+    if set(map(type, values)) == {int}:
+        low = min(values)
+        if low >= 0:
+            return low
+    for rid, n in counts.items():
+        check_count(n, f"num_scheduled_tokens[{name_of(rid)}]")
+    return min(values)  # every value is a non-negative int (some of an int subclass)
+
+
+def check_worker_output(out: object, load_sent: Callable[[str], bool | None], store_event_counter: int,
+                        world_size: int) -> None:
+    """``check_connector_output`` with the shapes checked first and bounded messages:
+    ``finished_recving`` a set (or list) of request ids, each naming a request whose load was
+    sent; ``completed_store_events`` a dict int event id -> worker count, each event issued, each
+    count in 1..world_size."""
+    what = "update_connector_output"
+    recving = _field(out, "finished_recving", what, "a KVConnectorOutput")
+    events = _field(out, "completed_store_events", what, "a KVConnectorOutput")
+    check_request_ids(recving, "finished_recving")
+    if not isinstance(events, _Mapping):
+        raise InvalidOperationError(f"completed_store_events must be a dict event id -> worker count, "
+                                    f"got {echo(events)}")
+    for e in events:
+        if not isinstance(e, int) or isinstance(e, bool):
+            raise InvalidOperationError(f"completed_store_events: an event id must be an int, got {echo(e)}")
+    for rid in recving:
+        sent = load_sent(rid)
+        if sent is None:
+            raise UnknownRequestError(f"finished_recving names {echo(rid)}, which has no load")
+        if not sent:
+            raise InvalidOperationError(f"finished_recving names {echo(rid)}, whose load was never sent")
+    for e, c in events.items():
+        if not 0 <= e < store_event_counter:
+            raise UnknownEventError(f"store event {echo(e)} was never issued")
+        check_count(c, f"worker count for store event {e}", world_size)
+        if c == 0:
+            raise InvalidOperationError(f"worker count for store event {e} is 0")
+
+
+# -- pool-face checks (the model's BlockPool, the implementation's TensorBlockPool) -------------
+
+
+def check_id_list(block_ids: object, num_blocks: int, pool: str, what: str, allow_null: bool = False) -> list[int]:
+    """``check_pool_ids`` for any iterable of block ids (not a string or a mapping), returned as a
+    list; bounded messages. ``InvalidBlockError``. O(len)."""
+    if isinstance(block_ids, (str, bytes, _Mapping)) or not isinstance(block_ids, _Iterable):
+        raise InvalidBlockError(f"{pool}: cannot {what} {echo(block_ids)}: expected an iterable of block ids")
+    ids = list(block_ids)
+    if ids and set(map(type, ids)) == {int} and min(ids) >= (0 if allow_null else 1) and max(ids) < num_blocks:
+        return ids
+    for b in ids:
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:
+            raise InvalidBlockError(f"{pool}: cannot {what} block {echo(b)}: ids are 0..{num_blocks - 1}")
+        if b == 0 and not allow_null:
+            raise InvalidBlockError(f"{pool}: cannot {what} the null block 0")
+    return ids
+
+
+def check_new_block_count(n: object, num_free: int, pool: str) -> int:
+    """``get_new_blocks(n)``: ``n`` a non-negative int (not a bool, ``InvalidCountError``) of at
+    most the free count (``OutOfBlocksError``)."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise InvalidCountError(f"{pool}: cannot allocate {echo(n)} blocks")
+    if n > num_free:
+        raise OutOfBlocksError(f"{pool}: cannot allocate {echo(n)} blocks, only {num_free} free")
+    return n
+
+
+def _group_range(num_groups: int | None) -> str:
+    return "0.." + ("" if num_groups is None else str(num_groups - 1))
+
+
+def check_group_id(gid: object, num_groups: int | None, pool: str, what: str) -> int:
+    """A KV-group id: an int in ``0..num_groups-1`` (no upper bound when the pool was built
+    without ``num_groups``). ``InvalidBlockError``."""
+    if not isinstance(gid, int) or isinstance(gid, bool) or gid < 0 or (num_groups is not None and gid >= num_groups):
+        raise InvalidBlockError(f"{pool}: cannot {what}: group id {echo(gid)} out of range {_group_range(num_groups)}")
+    return gid
+
+
+def check_block_key(key: object, num_groups: int | None, pool: str, what: str, *, lookup: bool = False) -> None:
+    """A cache key ``(block_hash, group)``: a 2-tuple of a str and a group id (``check_group_id``).
+    To register (``lookup`` False) the hash must also be non-empty and one line, as the snapshot
+    writes keys ``"<hash>:<group>"``; a lookup of any str just finds nothing.
+    ``InvalidBlockError``."""
+    if not isinstance(key, tuple) or len(key) != 2:
+        raise InvalidBlockError(f"{pool}: cannot {what} key {echo(key)}: "
+                                "a key is a tuple (block_hash: str, group: int)")
+    h, g = key
+    if not isinstance(h, str):
+        raise InvalidBlockError(f"{pool}: cannot {what} key {echo(key)}: the block hash must be a str")
+    if not lookup and (not h or "\n" in h):
+        raise InvalidBlockError(f"{pool}: cannot {what} key {echo(key)}: the block hash must be a non-empty, "
+                                "one-line str")
+    check_group_id(g, num_groups, pool, f"{what} key {echo(key)}")
+
+
+def check_cached_block_query(block_hash: object, group_ids: object, num_groups: int | None, pool: str) -> None:
+    """``get_cached_block(block_hash, group_ids)``: a str hash and a list (tuple, range) of group
+    ids. ``InvalidBlockError``."""
+    if not isinstance(block_hash, str):
+        raise InvalidBlockError(f"{pool}: cannot look up block hash {echo(block_hash)}: it must be a str")
+    if not isinstance(group_ids, (list, tuple, range)):
+        raise InvalidBlockError(f"{pool}: cannot look up group ids {echo(group_ids)}: expected a list of ints")
+    for gid in group_ids:
+        check_group_id(gid, num_groups, pool, "look up")
+
+
+def check_num_groups(num_groups: object, pool: str) -> int | None:
+    """A pool's optional ``num_groups``: None (group ids unbounded) or an int >= 1."""
+    if num_groups is not None and (not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1):
+        raise InvalidCountError(f"{pool}: num_groups must be None or an int >= 1, got {echo(num_groups)}")
+    return num_groups

@@ -20,7 +20,7 @@ POLICY_CLASSES: dict[str, type[OffloadScheduler]] = {
 def make_scheduler(config: OffloadConfig) -> OffloadScheduler:
     """A model scheduler for ``config.policy`` with a fresh GPU pool bound to it."""
     config.validate()
-    return POLICY_CLASSES[config.policy](config, BlockPool(config.num_gpu_blocks, "gpu"))
+    return POLICY_CLASSES[config.policy](config, BlockPool(config.num_gpu_blocks, "gpu", config.num_groups))
 
 
 __all__ = ["POLICY_CLASSES", "BlockPool", "OffloadScheduler", "RepairScheduler", "SignalRescanScheduler",

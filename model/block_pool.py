@@ -24,14 +24,26 @@ Rules, each stated once:
 Where vLLM would silently corrupt itself or rely on its callers, the model raises:
 an id out of range, the null block in touch/free (vLLM skips it; every caller in
 the modelled system filters it first), a free below ref count 0 (``DoubleFreeError``),
-or ``n`` beyond the free count. Every check runs before any change.
+or ``n`` beyond the free count. Arguments of the wrong shape are refused too: ids that
+are not an iterable of ints, a count that is not an int (a bool included), a key that
+is not ``(block_hash: str, group: int)`` with the group below ``num_groups`` (when the
+pool was given it: the configuration's number of KV groups). Every check runs before
+any change (the shared checks of ``kvspec.interfaces``, as the implementation's pool).
 """
 
 from collections.abc import Iterable
 from typing import Any
 
-from kvspec.errors import InvalidBlockError, InvalidCountError, OutOfBlocksError
-from kvspec.interfaces import check_free_counts, check_pool_ids
+from kvspec.errors import InvalidBlockError, InvalidCountError, echo
+from kvspec.interfaces import (
+    check_block_key,
+    check_cached_block_query,
+    check_free_counts,
+    check_id_list,
+    check_new_block_count,
+    check_num_groups,
+    name_of,
+)
 from kvspec.model.free_queue import FreeBlockQueue
 from kvspec.model.hashing import BlockKey, key_str
 from kvspec.model.prefix_map import PrefixMap
@@ -43,11 +55,12 @@ NULL_BLOCK = 0
 class BlockPool:
     """One pool of KV blocks: ref counts, hashes, LRU free queue, prefix map."""
 
-    def __init__(self, num_blocks: int, name: str = "pool") -> None:
-        if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise InvalidCountError(f"{name}: num_blocks must be an int >= 1, got {num_blocks!r}")
+    def __init__(self, num_blocks: int, name: str = "pool", num_groups: int | None = None) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise InvalidCountError(f"{name_of(name)}: num_blocks must be an int >= 1, got {echo(num_blocks)}")
         self.name = name
         self.num_blocks = num_blocks
+        self.num_groups = check_num_groups(num_groups, name)  # None: group ids not bounded
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[BlockKey | None] = [None] * num_blocks
         self.free_queue = FreeBlockQueue(range(1, num_blocks))  # block 0 is popped as the null block
@@ -62,10 +75,12 @@ class BlockPool:
 
     def get_one_block(self, key: BlockKey) -> int | None:
         """First block cached under ``key``. O(1)."""
+        check_block_key(key, self.num_groups, self.name, "look up", lookup=True)
         return self.cached.get_one_block(key)
 
     def get_cached_block(self, block_hash: str, group_ids: list[int]) -> list[int] | None:
         """One cached block per group for ``block_hash``, or None if any group misses. O(groups)."""
+        check_cached_block_query(block_hash, group_ids, self.num_groups, self.name)
         out = []
         for gid in group_ids:
             b = self.cached.get_one_block((block_hash, gid))
@@ -78,12 +93,7 @@ class BlockPool:
 
     def get_new_blocks(self, n: int) -> list[int]:
         """Pop ``n`` blocks from the LRU head, evict their entries, ref 1 each. O(n)."""
-        if not isinstance(n, int) or n < 0:
-            raise InvalidCountError(f"{self.name}: cannot allocate {n!r} blocks")
-        if n > len(self.free_queue):
-            raise OutOfBlocksError(
-                f"{self.name}: cannot allocate {n} blocks, only {len(self.free_queue)} free"
-            )
+        check_new_block_count(n, len(self.free_queue), self.name)
         blocks = self.free_queue.popleft_n(n)
         for b in blocks:
             self._maybe_evict_cached_block(b)
@@ -92,8 +102,7 @@ class BlockPool:
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """+1 ref per listing; a block at ref 0 leaves the free queue. O(len)."""
-        ids = list(block_ids)
-        self._validate(ids, "touch")
+        ids = self._validate(block_ids, "touch")
         for b in ids:
             if self.ref_cnt[b] == 0:
                 self.free_queue.remove(b)
@@ -101,8 +110,7 @@ class BlockPool:
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
         """-1 ref per listing, in order; zero-ref blocks: fresh to the head, cached to the tail. O(len)."""
-        ids = list(block_ids)
-        self._validate(ids, "free")
+        ids = self._validate(block_ids, "free")
         check_free_counts(ids, self.ref_cnt.__getitem__, self.name)
         fresh: list[int] = []
         cached: list[int] = []
@@ -121,22 +129,22 @@ class BlockPool:
         A block that already carries a different key is refused: the modelled
         configurations have no secondary (fine-grained) keys.
         """
+        check_block_key(key, self.num_groups, self.name, "register")
         self._validate([block_id], "register")
         current = self.block_hash[block_id]
         if current == key:
             return
         if current is not None:
             raise InvalidBlockError(
-                f"{self.name}: block {block_id} already cached as {key_str(current)}, "
-                f"cannot also register {key_str(key)}"
+                f"{self.name}: block {block_id} already cached as {name_of(key_str(current))}, "
+                f"cannot also register {name_of(key_str(key))}"
             )
         self.block_hash[block_id] = key
         self.cached.insert(key, block_id)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the cached entries (and hashes) of blocks, whatever their ref count. O(len)."""
-        ids = list(block_ids)
-        self._validate(ids, "evict", allow_null=True)
+        ids = self._validate(block_ids, "evict", allow_null=True)
         for b in ids:
             self._maybe_evict_cached_block(b)
 
@@ -161,8 +169,8 @@ class BlockPool:
             return True
         return False
 
-    def _validate(self, ids: list[int], what: str, allow_null: bool = False) -> None:
-        check_pool_ids(ids, self.num_blocks, self.name, what, allow_null)
+    def _validate(self, block_ids: Iterable[int], what: str, allow_null: bool = False) -> list[int]:
+        return check_id_list(block_ids, self.num_blocks, self.name, what, allow_null)
 
     # -- observation -----------------------------------------------------------------------
 

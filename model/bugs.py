@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 
 from kvspec.interfaces import OffloadConfig, SchedulerOutput
 from kvspec.model.block_pool import BlockPool
@@ -121,8 +122,8 @@ class RepairNoSameStepPin(RepairScheduler):
 class RepairNoVictimRule(RepairScheduler):
     """R7 dropped: re-stores evict whatever the LRU head holds (thrash, H6)."""
 
-    def _choose_victims(self, n: int) -> int:
-        return min(n, self.cpu_pool.get_num_free_blocks())
+    def _choose_victims(self, n: int) -> list[int]:
+        return list(islice(self.cpu_pool.free_queue, n))
 
 
 class RepairDedupByGpuId(RepairScheduler):
@@ -204,4 +205,4 @@ def make_bug_target(name: str, config: OffloadConfig) -> OffloadScheduler:
     bug = BUGS[name]
     cfg = replace(config, policy=bug.policy, lazy_offload=False)
     cfg.validate()
-    return bug.cls(cfg, BlockPool(cfg.num_gpu_blocks, "gpu"))
+    return bug.cls(cfg, BlockPool(cfg.num_gpu_blocks, "gpu", cfg.num_groups))

@@ -35,10 +35,19 @@ changing anything when they are wrong.
 
 from __future__ import annotations
 
+import inspect
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvspec.errors import InvalidCountError, InvalidOperationError, UnknownEventError, UnknownRequestError
+from kvspec.errors import (
+    InvalidCountError,
+    InvalidOperationError,
+    KVSpecError,
+    UnknownEventError,
+    UnknownRequestError,
+    echo,
+)
 from kvspec.interfaces import (
     CachedRequestData,
     ConnectorMetadata,
@@ -51,11 +60,22 @@ from kvspec.interfaces import (
 from kvspec.model.block_pool import NULL_BLOCK
 from kvspec.model.hashing import BlockHash, block_hashes, chain_hash
 from kvspec.model.hit_search import find_longest_cache_hit
+from kvspec.model.invariants import observe_plan
 
 WAITING, RUNNING, WAITING_FOR_REMOTE, LOADED, PREEMPTED, FINISHED = (
     "waiting", "running", "waiting_for_remote_kvs", "loaded", "preempted", "finished",
 )
 MAX_PROMPT_TOKENS = 1 << 16
+MAX_REQUEST_ID = 256
+
+
+def _request_list(value: object, what: str) -> list[str]:
+    """``admit``/``preempt``: None or a list of request-id strings."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidOperationError(f"{what} must be a list of request ids (strings), got {echo(value)}")
+    return list(value)
 
 
 @dataclass
@@ -128,20 +148,36 @@ class Engine:
         self.last_result: Any = None
         self.converging_step = False
         self.last_finish: dict[str, Any] | None = None
+        self.last_plan: dict[str, Any] | None = None
 
     # -- dispatch ----------------------------------------------------------------------------
 
+    OPS = ("add", "step", "report", "load_done", "finish", "reset")
+
     def apply(self, op: dict[str, Any]) -> Any:
-        """Run one operation given as a trace dict (``{"op": name, ...}``)."""
+        """Run one operation given as a trace dict (``{"op": name, ...}``).
+
+        The arguments are bound to the handler's signature *before* it runs, so a wrong
+        argument is a rejection (``InvalidOperationError``, nothing changed) while any
+        exception raised inside the handler, ``TypeError`` included, propagates as what it
+        is: a crash of the engine or of the target, never "bad input"."""
+        if not isinstance(op, dict):
+            raise InvalidOperationError(f"an operation must be a dict with an \"op\" key, got {echo(op)}")
         name = op.get("op")
+        if not isinstance(name, str) or name not in self.OPS:
+            raise InvalidOperationError(f"unknown operation {echo(name)}; known: {', '.join(self.OPS)}")
+        handler = getattr(self, f"op_{name}")
         args = {k: v for k, v in op.items() if k != "op"}
-        handler = getattr(self, f"op_{name}", None) if isinstance(name, str) else None
-        if handler is None:
-            raise InvalidOperationError(f"unknown operation {name!r}")
         try:
-            result = handler(**args)
+            inspect.signature(handler).bind(**args)
         except TypeError as exc:
             raise InvalidOperationError(f"bad arguments for {name}: {exc}") from None
+        previous_plan, self.last_plan = self.last_plan, None
+        try:
+            result = handler(**args)
+        except KVSpecError:
+            self.last_plan = previous_plan  # a rejection leaves the observation as it was
+            raise
         self.last_op, self.last_result = name, result
         return result
 
@@ -149,10 +185,11 @@ class Engine:
 
     def op_add(self, rid: str, family: int, prompt_len: int, max_tokens: int = 4) -> None:
         """A new request arrives (waiting); no target call."""
-        if not isinstance(rid, str) or not rid:
-            raise InvalidOperationError(f"request id must be a non-empty string, got {rid!r}")
+        if not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID:
+            raise InvalidOperationError(f"request id must be a string of 1..{MAX_REQUEST_ID} characters, "
+                                        f"got {echo(rid)}")
         if rid in self.requests:
-            raise InvalidOperationError(f"request {rid!r} already exists")
+            raise InvalidOperationError(f"request {echo(rid)} already exists")
         check_count(family, "family")
         check_count(prompt_len, "prompt_len", MAX_PROMPT_TOKENS)
         check_count(max_tokens, "max_tokens", MAX_PROMPT_TOKENS)
@@ -164,12 +201,12 @@ class Engine:
     def op_step(self, admit: list[str] | None = None, chunk: int = 64, preempt: list[str] | None = None,
                 resume: str = "mrv1") -> ConnectorMetadata:
         """One engine step (schedule, build_connector_meta, forward, sample)."""
-        admit, preempt = list(admit or []), list(preempt or [])
+        admit, preempt = _request_list(admit, "admit"), _request_list(preempt, "preempt")
         check_count(chunk, "chunk", MAX_PROMPT_TOKENS)
         if chunk == 0:
             raise InvalidCountError("chunk must be >= 1")
-        if resume not in ("mrv1", "mrv2"):
-            raise InvalidOperationError(f"resume must be 'mrv1' or 'mrv2', got {resume!r}")
+        if not isinstance(resume, str) or resume not in ("mrv1", "mrv2"):
+            raise InvalidOperationError(f"resume must be 'mrv1' or 'mrv2', got {echo(resume)}")
         for rid in preempt:
             if self._req(rid).status not in (RUNNING, LOADED):
                 raise InvalidOperationError(f"cannot preempt {rid}: it is {self.requests[rid].status}")
@@ -195,7 +232,11 @@ class Engine:
         out.num_scheduled_tokens = dict(scheduled)
         out.preempted_req_ids = set(self.preempted_since_step)
         out.finished_req_ids = set(self.finished_since_step)
+        pre = self.snapshot()
         meta = self.target.build_connector_meta(out)
+        queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
+        self.last_plan = observe_plan(pre, self.target.snapshot(),
+                                      list((Counter(meta.store_gpu_blocks) - queued).elements()))
         self._after_build(meta)
         for rid, n in scheduled.items():
             self.requests[rid].num_computed_tokens += n
@@ -220,8 +261,8 @@ class Engine:
 
     def op_report(self, event: int, count: int = 1) -> None:
         """``count`` worker ranks report store ``event`` done."""
-        if event not in self.reports_left:
-            raise UnknownEventError(f"store event {event!r} is not in flight")
+        if not isinstance(event, int) or isinstance(event, bool) or event not in self.reports_left:
+            raise UnknownEventError(f"store event {echo(event)} is not in flight")
         check_count(count, "count", self.reports_left[event])
         if count == 0:
             raise InvalidCountError("count must be >= 1")
@@ -236,8 +277,8 @@ class Engine:
 
     def op_load_done(self, rid: str) -> None:
         """The workers report ``rid``'s load complete (``finished_recving``)."""
-        if rid not in self.loads_shipped:
-            raise UnknownRequestError(f"{rid!r} has no load in flight")
+        if not isinstance(rid, str) or rid not in self.loads_shipped:
+            raise UnknownRequestError(f"{echo(rid)} has no load in flight")
         self.target.update_connector_output(KVConnectorOutput(finished_recving={rid}))
         del self.loads_shipped[rid]
         r = self.requests[rid]
@@ -255,7 +296,12 @@ class Engine:
         self._remove_skipped_blocks(r)
         clipped = tuple(list(t[: -(-r.num_computed_tokens // self.B)]) for t in r.table)
         expected = self._flush_expectation(r, clipped)
+        pre = self.snapshot()
         self.target.request_finished_all_groups(r, clipped)
+        post = self.target.snapshot()
+        queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
+        flushed = Counter(g for t in post["scheduler"]["pending_finished_stores"] for g in t["gpu"])
+        self.last_plan = observe_plan(pre, post, list((flushed - queued).elements()), rid)
         self.last_finish = {"rid": rid, "keys": expected,
                             "cpu_free_after": self.target.snapshot()["cpu_pool"]["free_queue"].__len__()}
         if r.status == WAITING_FOR_REMOTE and rid in self.loads_shipped:
@@ -288,7 +334,7 @@ class Engine:
 
     def _req(self, rid: object) -> EngineRequest:
         if not isinstance(rid, str) or rid not in self.requests:
-            raise UnknownRequestError(f"unknown request {rid!r}")
+            raise UnknownRequestError(f"unknown request {echo(rid)}")
         return self.requests[rid]
 
     def _preempt(self, r: EngineRequest) -> None:
@@ -494,5 +540,6 @@ class Engine:
             "last_result": list(self.last_result) if isinstance(self.last_result, tuple) else None,
             "converging_step": self.converging_step,
             "last_finish": self.last_finish if self.last_op == "finish" else None,
+            "last_plan": self.last_plan,
         }
         return snap

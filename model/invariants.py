@@ -18,10 +18,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvspec.model.rules import window_floor
+
 Snapshot = dict[str, Any]
-
-ACTIVE_STATUSES = ("running", "loaded", "waiting_for_remote_kvs", "waiting", "preempted")
-
 
 @dataclass(frozen=True)
 class Violation:
@@ -118,6 +117,13 @@ def _active_store_requests(s: Snapshot) -> Iterable[tuple[str, dict[str, Any], d
         yield rid, st, r
 
 
+def _floor(groups: list[dict[str, Any]], g: int, r: dict[str, Any], block_size: int) -> int:
+    """First position of group ``g`` still in the window of request ``r`` (0 for full attention)."""
+    if g < len(groups) and groups[g]["kind"] == "sliding":
+        return window_floor(r["num_computed_tokens"], groups[g]["sliding_window"], block_size)
+    return 0
+
+
 def owned_below_cursor(s: Snapshot) -> Iterable[tuple[str, int, int, int, str]]:
     """(rid, group, position, block, key) for every position below a live cursor whose
     block the request still owns (its live table holds it) and that is hashed. A
@@ -130,10 +136,7 @@ def owned_below_cursor(s: Snapshot) -> Iterable[tuple[str, int, int, int, str]]:
     for rid, st, r in _active_store_requests(s):
         for g, cursor in enumerate(st["num_stored_blocks"]):
             table = r["table"][g] if g < len(r["table"]) else []
-            floor = 0
-            if g < len(groups) and groups[g]["kind"] == "sliding":
-                floor = max(0, r["num_computed_tokens"] - groups[g]["sliding_window"] + 1) // bs
-            for p in range(floor, min(cursor, len(table))):
+            for p in range(_floor(groups, g, r, bs), min(cursor, len(table))):
                 b = table[p]
                 if b == 0:
                     continue
@@ -149,6 +152,83 @@ def covered_keys(s: Snapshot) -> set[str]:
     for _, t in _live_store_transfers(s["scheduler"]):
         keys.update(gpu_hash[g] for g in t["gpu"] if gpu_hash[g] is not None)
     return keys
+
+
+def observe_plan(pre: Snapshot, post: Snapshot, copies: list[int], finishing: str | None = None) -> dict[str, Any]:
+    """What one planning step (or finish flush) did, measured from outside the policy: the facts
+    C3, C5 and C6 judge, kept in the engine section as ``last_plan``.
+
+    ``pre`` is the engine snapshot just before the target planned, ``post`` the target's snapshot
+    just after, ``copies`` the GPU ids of the store copies this plan ordered (from the connector
+    metadata or the queued flush), ``finishing`` the request whose finish flush this is. A copy is
+    *new work* when some active request holds its block at or after its cursor (the cursor before
+    the step, or after it when the step reset it); a copy of a block some active request holds
+    only below its cursor is a *re-store*; the rest (blocks no request holds, e.g. a stale
+    sliding-window id) count with new work. Ambiguous copies count as new work, so these facts
+    can miss a bug but never invent one. A position is
+    *passed* when a cursor moved over it in the step, or, for a finish flush (which moves no
+    cursor), when the flush copied a later position of the same group.
+    O(requests x table + CPU map + copies)."""
+    reqs = pre["engine"]["requests"]
+    groups, bs = pre["engine"]["config"]["groups"], _block_size(pre)
+    before, after = pre["scheduler"]["reqs_to_store"], post["scheduler"]["reqs_to_store"]
+    gpu_hash = pre["gpu_pool"]["block_hash"]
+    new_work: set[int] = set()
+    held: set[int] = set()
+    copied = set(copies)
+    passed: list[str] = []
+    for rid, r in reqs.items():
+        st, st_after = before.get(rid), after.get(rid)
+        if r["status"] == "finished":
+            continue
+        live_after = st_after is not None and not st_after["finished"]
+        for g, table in enumerate(r["table"]):
+            cursor = 0 if st is None or st["finished"] else st["num_stored_blocks"][g]
+            if live_after:
+                cursor = min(cursor, st_after["num_stored_blocks"][g])
+            new_work.update(b for b in table[cursor:] if b != 0)
+            held.update(table)
+            if st is None or st["finished"]:
+                continue
+            if rid == finishing:
+                end = max((p + 1 for p in range(cursor, len(table)) if table[p] in copied), default=cursor)
+            elif live_after:
+                end = st_after["num_stored_blocks"][g]
+            else:
+                continue
+            for p in range(max(st["num_stored_blocks"][g], _floor(groups, g, r, bs)),
+                           min(end, len(table), len(r["block_hashes"]))):
+                b = table[p]
+                if b != 0 and gpu_hash[b] == f"{r['block_hashes'][p]}:{g}":
+                    passed.append(gpu_hash[b])
+    owners: dict[str, list[tuple[str, int, int]]] = {}
+    for rid, g, p, _, key in owned_below_cursor(pre):
+        owners.setdefault(key, []).append((rid, g, p))
+    covered_before, covered_after = covered_keys(pre), covered_keys(post)
+    evicted = set(pre["cpu_pool"]["cached"]) - set(post["cpu_pool"]["cached"])
+    lost = {k for k in owners if k not in covered_before or k in evicted}
+    restores = [b for b in copies if b in held and b not in new_work]
+    restored_keys = {gpu_hash[b] if gpu_hash[b] is not None else f"(unhashed GPU block {b})" for b in restores}
+
+    def useful(key: str) -> bool:
+        for rid, g, p in owners[key]:
+            if p == 0:
+                return True
+            parent = f"{reqs[rid]['block_hashes'][p - 1]}:{g}"
+            if parent in covered_before and parent not in evicted:
+                return True
+        return False
+
+    return {
+        "copies": len(copies),
+        "new_work_copies": len(copies) - len(restores),  # new work and copies of blocks no request holds
+        "restore_copies": len(restores),
+        "lost_keys": len(lost),
+        "unlost_restores": sorted(restored_keys - lost),
+        "judged_cached_evicted": sorted({k for k in passed if k in pre["cpu_pool"]["cached"]
+                                         and k not in covered_after}),
+        "live_useful_evicted": sorted(k for k in evicted if k in owners and useful(k)),
+    }
 
 
 # -- I1-I3: pools ----------------------------------------------------------------------------
@@ -367,10 +447,8 @@ def _i12(s: Snapshot) -> Iterable[Violation]:
         if r["status"] not in ("running", "loaded"):
             continue
         for g, table in enumerate(r["table"]):
-            first = 0
-            if groups[g]["kind"] == "sliding":  # positions outside the window are neither loaded nor read
-                first = max(0, r["num_computed_tokens"] - groups[g]["sliding_window"] + 1) // bs
-            for p in range(first, min(r["num_computed_tokens"] // bs, len(table))):
+            # positions outside the window are neither loaded nor read
+            for p in range(_floor(groups, g, r, bs), min(r["num_computed_tokens"] // bs, len(table))):
                 b = table[p]
                 if b != 0 and eng["gpu_data"][b] != r["block_hashes"][p]:
                     yield Violation("I12", f"group {g} position {p}: GPU block {b} holds data "
@@ -467,16 +545,21 @@ def _c2(s: Snapshot) -> Iterable[Violation]:
                             (b,), (rid,))
 
 
-@invariant("C3", "no amplification", enforced_by=("stateful invariant", "Z3 proof"))
+@invariant("C3", "no amplification", needs_engine=True, enforced_by=("stateful invariant", "Z3 proof"))
 def _c3(s: Snapshot) -> Iterable[Violation]:
-    """Re-store copies planned in a step never exceed the distinct lost keys pending when the
-    repair phase began, and no key is being stored twice at once (dedup by hash across
-    requests and in-flight stores)."""
+    """Re-store copies planned by a step (or finish flush) never exceed the distinct keys that
+    were lost (owned below a live cursor, and not covered before planning or evicted by it),
+    each re-stored key was one of them, and no key is being stored twice at once (dedup by
+    hash across requests and in-flight stores). Counted by the engine from the copies the
+    connector metadata ordered, never from the policy's own counters."""
+    plan = s["engine"].get("last_plan")
+    if plan:
+        if plan["restore_copies"] > plan["lost_keys"]:
+            yield Violation("C3", f"{plan['restore_copies']} re-store copies planned for "
+                            f"{plan['lost_keys']} lost keys")
+        for key in plan["unlost_restores"]:
+            yield Violation("C3", f"key {key} was re-stored but was not lost (it was cached or being stored)")
     sched = s["scheduler"]
-    ps = sched["policy_state"]
-    if "restores_last_plan" in ps and ps["restores_last_plan"] > ps["lost_keys_at_repair"]:
-        yield Violation("C3", f"{ps['restores_last_plan']} re-stores planned for "
-                        f"{ps['lost_keys_at_repair']} lost keys")
     gpu_hash = s["gpu_pool"]["block_hash"]
     seen: dict[str, int] = {}
     for _, t in _live_store_transfers(sched):
@@ -497,22 +580,26 @@ def _c4(s: Snapshot) -> Iterable[Violation]:
         yield Violation("C4", "hole survived a converging step: " + v.message, v.blocks, v.requests)
 
 
-@invariant("C5", "same-step protection")
+@invariant("C5", "same-step protection", needs_engine=True)
 def _c5(s: Snapshot) -> Iterable[Violation]:
-    """No CPU entry that a planning step (or finish flush) judged "already cached" is evicted by
-    that same step's allocations (T3). Reported by the policy's own bookkeeping."""
-    n = s["scheduler"]["policy_state"].get("self_evictions", 0)
-    if n:
-        yield Violation("C5", f"{n} entries judged already cached were evicted in the same step")
+    """No CPU entry that a planning step (or finish flush) passed over as already cached is
+    evicted by that same step's allocations (T3): every owned position a cursor passed in the
+    step, or the flush covered, whose key was cached before it is still covered after it."""
+    plan = s["engine"].get("last_plan")
+    for key in plan["judged_cached_evicted"] if plan else ():
+        yield Violation("C5", f"key {key} was passed as already cached and evicted by the same step")
 
 
-@invariant("C6", "no thrash")
+@invariant("C6", "no thrash", needs_engine=True)
 def _c6(s: Snapshot) -> Iterable[Violation]:
-    """No re-store evicts a live entry whose chain prefix is still reachable on CPU (H6).
-    Reported by the policy's own bookkeeping."""
-    n = s["scheduler"]["policy_state"].get("useful_evicted_by_restores", 0)
-    if n:
-        yield Violation("C6", f"re-stores evicted {n} live, reachable entries")
+    """No re-store evicts a live entry whose chain prefix is still reachable on CPU (H6): the live,
+    useful entries a step's allocations evicted are at most its new-work copies (each allocation
+    evicts at most one entry, and only new work may take a live, useful one)."""
+    plan = s["engine"].get("last_plan")
+    if plan and len(plan["live_useful_evicted"]) > plan["new_work_copies"]:
+        keys = ", ".join(plan["live_useful_evicted"][:4])
+        yield Violation("C6", f"{len(plan['live_useful_evicted'])} live, reachable entries evicted ({keys}) "
+                        f"with {plan['new_work_copies']} new-work copies: re-stores evicted the rest")
 
 
 @invariant("C7", "finish flush", needs_engine=True)

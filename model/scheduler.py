@@ -52,9 +52,12 @@ from kvspec.interfaces import (
     OffloadConfig,
     RequestView,
     SchedulerOutput,
-    check_block_ids,
-    check_connector_output,
+    check_block_table,
     check_count,
+    check_request,
+    check_scheduler_output,
+    check_worker_output,
+    name_of,
     yield_req_data,
 )
 from kvspec.model.block_pool import NULL_BLOCK, BlockPool
@@ -136,7 +139,7 @@ class OffloadScheduler:
         config.validate()
         self.config = config
         self.gpu_pool = gpu_pool
-        self.cpu_pool = BlockPool(config.num_cpu_blocks, "cpu")
+        self.cpu_pool = BlockPool(config.num_cpu_blocks, "cpu", config.num_groups)
         self.block_size = config.block_size
         self.num_groups = config.num_groups
         self.lazy_mode = config.lazy_offload
@@ -163,6 +166,7 @@ class OffloadScheduler:
 
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
         """CPU hit after ``num_computed_tokens`` local tokens; pins it. O(hashes x groups)."""
+        check_request(request, "get_num_new_matched_tokens")
         check_count(num_computed_tokens, "num_computed_tokens", request.num_tokens)
         stale = self.pending_cpu_hits.pop(request.request_id, None)
         if stale is not None:
@@ -185,24 +189,24 @@ class OffloadScheduler:
     def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds,
                                  num_external_tokens: int) -> None:
         """Register store state once; turn the pinned hit into a load of the accepted part."""
-        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "update_state_after_alloc",
-                              none_groups=False)
-        rid = request.request_id
+        rid = check_request(request, "update_state_after_alloc")
+        ids = check_block_table(block_ids, self.num_groups, self.gpu_pool.num_blocks, "update_state_after_alloc",
+                                none_groups=False)
         check_count(num_external_tokens, "num_external_tokens", request.num_tokens)
         pending = self.pending_cpu_hits.get(rid)
         load: Transfer | None = None
         if num_external_tokens > 0 and pending is not None:
             if num_external_tokens % self.block_size:
                 raise InvalidOperationError(
-                    f"{rid}: num_external_tokens {num_external_tokens} is not a multiple of "
+                    f"{name_of(rid)}: num_external_tokens {num_external_tokens} is not a multiple of "
                     f"the block size {self.block_size}"
                 )
             if num_external_tokens > pending.hit_len:
                 raise InvalidOperationError(
-                    f"{rid}: accepted {num_external_tokens} external tokens of a {pending.hit_len}-token hit"
+                    f"{name_of(rid)}: accepted {num_external_tokens} external tokens of a {pending.hit_len}-token hit"
                 )
             if rid in self.reqs_to_load:
-                raise InvalidOperationError(f"{rid}: a load is already registered")
+                raise InvalidOperationError(f"{name_of(rid)}: a load is already registered")
             load = self._load_pairs(rid, ids, pending, num_external_tokens)
         # -- all checks done; mutate --
         if not self.lazy_mode and rid not in self.reqs_to_store:
@@ -228,7 +232,7 @@ class OffloadScheduler:
                     continue
                 if start + i >= len(ids[g]) or ids[g][start + i] == NULL_BLOCK:
                     raise InvalidOperationError(
-                        f"{rid}: group {g} has no allocated GPU block at position {start + i} for the load"
+                        f"{name_of(rid)}: group {g} has no allocated GPU block at position {start + i} for the load"
                     )
                 gpu.append(ids[g][start + i])
                 cpu.append(cb)
@@ -273,17 +277,8 @@ class OffloadScheduler:
         return meta
 
     def _check_scheduler_output(self, out: SchedulerOutput) -> None:
-        cr = out.scheduled_cached_reqs
-        if len(cr.req_ids) != len(cr.new_block_ids):
-            raise InvalidOperationError(
-                f"scheduled_cached_reqs lists {len(cr.req_ids)} request id(s) but "
-                f"{len(cr.new_block_ids)} block-id entries"
-            )
-        for rid, ids, _ in yield_req_data(out):
-            if ids is not None:
-                check_block_ids(ids, self.num_groups, self.gpu_pool.num_blocks, f"scheduler output for {rid}")
-        for rid, n in out.num_scheduled_tokens.items():
-            check_count(n, f"num_scheduled_tokens[{rid}]")
+        """Every field the planning reads, shapes first (``kvspec.interfaces.check_scheduler_output``)."""
+        check_scheduler_output(out, self.num_groups, self.gpu_pool.num_blocks)
 
     def _plan_eager(self, out: SchedulerOutput) -> StoreBatch:
         """vLLM ``_prepare_eager_store_specs``: preemption reset, then the positional scan."""
@@ -428,7 +423,7 @@ class OffloadScheduler:
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Load completions, then store-event counts accumulated to ``world_size``."""
-        check_connector_output(connector_output, self._load_sent, self.store_event_counter, self.config.world_size)
+        check_worker_output(connector_output, self._load_sent, self.store_event_counter, self.config.world_size)
         for e in connector_output.completed_store_events:
             self._check_completion_hashes(e)
         # -- all checks done; mutate --
@@ -508,14 +503,15 @@ class OffloadScheduler:
 
     def request_finished_all_groups(self, request: RequestView, block_ids: BlockIds) -> tuple[bool, None]:
         """Flush confirmed-but-unstored blocks of the live table, then finish (§7.13, §7.10)."""
-        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "request_finished",
-                              none_groups=False)
+        check_request(request, "request_finished")
+        ids = check_block_table(block_ids, self.num_groups, self.gpu_pool.num_blocks, "request_finished",
+                                none_groups=False)
         self._queue_finished_eager_store(request, [list(g) for g in ids])
         return self.request_finished(request)
 
     def request_finished(self, request: RequestView) -> tuple[bool, None]:
         """Drop the pin; defer or drop load and store state. The GPU blocks are the caller's."""
-        rid = request.request_id
+        rid = check_request(request, "request_finished", full=False)
         pending = self.pending_cpu_hits.pop(rid, None)
         if pending is not None:
             self._free_pending_cpu_hit(pending)

@@ -258,7 +258,7 @@ ENGINE_CASES: list[tuple[str, dict[str, Any], type[KVSpecError], str]] = [
     ("add duplicate", {"op": "add", "rid": "a", "family": 1, "prompt_len": 3}, InvalidOperationError,
      r"request 'a' already exists"),
     ("add empty id", {"op": "add", "rid": "", "family": 1, "prompt_len": 3}, InvalidOperationError,
-     r"request id must be a non-empty string"),
+     r"request id must be a string of 1\.\.256 characters"),
     ("add negative family", {"op": "add", "rid": "n", "family": -1, "prompt_len": 3}, InvalidCountError,
      r"family must be a non-negative int, got -1"),
     ("add empty prompt", {"op": "add", "rid": "n", "family": 1, "prompt_len": 0}, InvalidCountError,

@@ -320,13 +320,26 @@ def m_c4(s: Snap) -> Any:
     return named
 
 
+def _plan(**facts: Any) -> dict[str, Any]:
+    """An engine ``last_plan`` observation of a quiet step, with ``facts`` overriding."""
+    plan = {"copies": 0, "new_work_copies": 0, "restore_copies": 0, "lost_keys": 0, "unlost_restores": [],
+            "judged_cached_evicted": [], "live_useful_evicted": []}
+    return {**plan, **facts}
+
+
+def m_c3_count(s: Snap) -> Any:
+    s["engine"]["last_plan"] = _plan(copies=3, restore_copies=3, lost_keys=2)  # more re-stores than losses
+    return (), ()
+
+
 def m_c5(s: Snap) -> Any:
-    s["scheduler"]["policy_state"]["self_evictions"] = 1
+    s["engine"]["last_plan"] = _plan(judged_cached_evicted=["0123456789abcdef:0"])
     return (), ()
 
 
 def m_c6(s: Snap) -> Any:
-    s["scheduler"]["policy_state"]["useful_evicted_by_restores"] = 2
+    s["engine"]["last_plan"] = _plan(copies=1, new_work_copies=1, restore_copies=0,
+                                     live_useful_evicted=["0123456789abcdef:0", "fedcba9876543210:0"])
     return (), ()
 
 
@@ -378,3 +391,16 @@ def test_fires_on_bad_snapshot(policy: str, inv: str, good_snapshots: dict[str, 
         assert v.message
         fired += 1
     assert fired >= 1, f"no good snapshot could be broken for {inv}"
+
+
+def m_c3_unlost(s: Snap) -> Any:
+    s["engine"]["last_plan"] = _plan(copies=1, restore_copies=1, lost_keys=1, unlost_restores=["0123456789abcdef:0"])
+    return (), ()
+
+
+@pytest.mark.parametrize("mutate", [m_c3_count, m_c3_unlost])
+def test_c3_fires_on_each_observed_fact(mutate: Mutator, good_snapshots: dict[str, list[Snap]]) -> None:
+    good = good_snapshots["repair"][-1]
+    bad = copy.deepcopy(good)
+    mutate(bad)
+    assert [v.id for v in check(bad, ["C3"])] == ["C3"]

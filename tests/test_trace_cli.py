@@ -81,7 +81,7 @@ def test_replay_clean_trace_exit_0(tmp_path, capsys):
     tr = trace_io.read(TRACES / "vllm-fixme.jsonl")
     path = write(tmp_path, tr.dumps())
     assert main(["replay", path, "--oracle", "I1,I3,I4"]) == 0
-    assert "no violation" in capsys.readouterr().out
+    assert "no finding" in capsys.readouterr().out
 
 
 def test_replay_against_reference_detects_divergence(capsys):
@@ -96,7 +96,8 @@ def test_fuzz_finds_the_fixme_and_writes_a_replayable_trace(tmp_path, capsys):
     rc = main(["fuzz", "--policy", "baseline", "--oracle", "C1", "--budget", "30", "--seed", "1",
                "--out", str(tmp_path), "--json"])
     res = json.loads(capsys.readouterr().out)
-    assert rc == 1 and res["found"] and "C1" in res["finding"]
+    assert rc == 1 and res["found"] and res["kind"] == "violation" and res["finding"]["violation"]["id"] == "C1"
+    assert res["oracle"] == "C1" and res["unshrunk_trace"] and Path(res["unshrunk_trace"]).exists()
     assert main(["replay", res["trace"], "--oracle", "C1"]) == 1
 
 
@@ -112,7 +113,8 @@ def test_bugs_json_keys(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["bug"] for r in rows] == ["stamped-unregistered", "final-step-lost"]
     for r in rows:
-        assert set(r) >= {"bug", "found", "seconds", "invariant", "trace_ops"} and r["found"]
+        assert set(r) >= {"bug", "found", "kind", "oracle", "seconds", "invariant", "trace_ops"} and r["found"]
+        assert r["kind"] == "violation"
     assert [r["invariant"] for r in rows] == ["I3", "C7"]
 
 

@@ -36,7 +36,7 @@ import tracemalloc
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvspec.errors import ConfigError
+from kvspec.errors import ConfigError, echo
 from kvspec.interfaces import (
     CachedRequestData,
     KVConnectorOutput,
@@ -54,6 +54,8 @@ GRID = [(64, 16, 1_000), (256, 64, 10_000), (1024, 64, 100_000), (1024, 256, 1_0
 STORM_GRID = [(256, 16, 10_000), (256, 16, 1_000_000), (1024, 64, 100_000)]
 QUICK_GRID = [(64, 16, 1_000), (256, 16, 10_000)]
 BLOCK_SIZE = 16
+TARGETS = ("impl", "model", "vllm")
+MAX_THREADS = 1024
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,13 +65,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="baseline", choices=["baseline", "signal-rescan", "repair"])
     p.add_argument("--target", action="append", default=None,
                    help="impl, model or vllm (repeatable; default: impl and model)")
-    p.add_argument("--runs", type=int, default=5, help="runs per point (default 5, at least 5 counted)")
-    p.add_argument("--steps", type=int, default=8, help="measured steps per run (default 8)")
+    p.add_argument("--runs", type=int, default=5,
+                   help="runs per point, >= 1 (default 5; fewer than 5 are raised to 5)")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per run, >= 1 (default 8)")
     p.add_argument("--scale", action="append", default=None, metavar="R,BPR,CPU",
-                   help="only this scale, e.g. 1024,64,100000 (repeatable)")
+                   help="only this scale: requests >= 1, blocks per request >= 1, CPU blocks >= 2, "
+                        "e.g. 1024,64,100000 (repeatable)")
     p.add_argument("--payload", action="store_true", help="also run the payload copy micro-benchmark")
-    p.add_argument("--device", default="cpu", help="device for the implementation (default cpu)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--device", default="cpu",
+                   help="device for the implementation: cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--threads", type=int, default=1, help=f"torch intra-op threads, 1..{MAX_THREADS} (default 1)")
 
 
 # -- requests and the driver -------------------------------------------------------------------------
@@ -361,49 +366,115 @@ def payload_bench(device: str, runs: int) -> list[dict[str, Any]]:
     return rows
 
 
-def run(args: argparse.Namespace) -> int:
-    targets = args.target or ["impl", "model"]
+def _parse_scale(text: str) -> tuple[int, int, int]:
+    """``R,BPR,CPU``: three integers, requests >= 1, blocks per request >= 1, CPU blocks >= 2."""
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise ConfigError(f"--scale {echo(text)}: expected R,BPR,CPU (three integers), got {len(parts)} field(s)")
+    try:
+        r, bpr, cpu = (int(x) for x in parts)
+    except ValueError:
+        raise ConfigError(f"--scale {echo(text)}: expected R,BPR,CPU (three integers)") from None
+    for name, value, low in (("requests", r, 1), ("blocks per request", bpr, 1), ("CPU blocks", cpu, 2)):
+        if value < low:
+            raise ConfigError(f"--scale {echo(text)}: {name} must be >= {low}, got {value}")
+    return r, bpr, cpu
+
+
+def _parse_device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, normalized (``cpu:0`` is ``cpu``); a CUDA device must exist."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {echo(text)}: not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type != "cuda":
+        raise ConfigError(f"--device {echo(text)}: unsupported device type {dev.type!r}; use cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {echo(text)}: no CUDA device here (torch.cuda.is_available() is False)")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ConfigError(f"--device {echo(text)}: no such CUDA device, this machine has {count} (cuda:0..)")
+    return str(dev)
+
+
+@dataclass
+class Plan:
+    """What a bench run will do, every argument checked (nothing measured yet)."""
+
+    targets: list[str]
+    workloads: list[str]
+    points: dict[str, list[tuple[int, int, int]]]
+    runs: int
+    steps: int
+    device: str
+    threads: int
+
+
+def plan(args: argparse.Namespace) -> Plan:
+    """Check every argument before any benchmark work starts; ``ConfigError`` names the bad one."""
+    targets = list(dict.fromkeys(args.target or ["impl", "model"]))
     for name in targets:
-        if name not in ("impl", "model", "vllm"):
-            raise ConfigError(f"unknown bench target {name!r}; known: impl, model, vllm")
+        if name not in TARGETS:
+            raise ConfigError(f"unknown bench target {echo(name)}; known: {', '.join(TARGETS)}")
+    if "vllm" in targets and args.policy != "baseline":
+        raise ConfigError("vLLM implements only the baseline policy")
+    for name, value in (("--runs", args.runs), ("--steps", args.steps)):
+        if value < 1:
+            raise ConfigError(f"{name} must be >= 1, got {value}")
+    if not 1 <= args.threads <= MAX_THREADS:
+        raise ConfigError(f"--threads must be 1..{MAX_THREADS}, got {args.threads}")
+    device = _parse_device(args.device)
+    workloads = list(dict.fromkeys(args.workload or WORKLOADS))
+    if args.scale:
+        grid = list(dict.fromkeys(_parse_scale(s) for s in args.scale))
+    else:
+        grid = QUICK_GRID if args.quick else GRID
+    points = {}
+    for workload in workloads:
+        points[workload] = grid
+        if workload == "storm" and not args.scale:
+            points[workload] = QUICK_GRID if args.quick else STORM_GRID
+        for r, bpr, cpu in points[workload]:
+            try:
+                _config(workload, Scale(r, bpr, cpu), args.policy).validate()
+            except ConfigError as exc:
+                raise ConfigError(f"--scale {r},{bpr},{cpu} ({workload}): {exc}") from None
     if "vllm" in targets:
         try:
             from kvspec.targets import get_factory
 
             get_factory("vllm")(replace(OffloadConfig(), policy="baseline"))
         except Exception as exc:  # missing vLLM or its dependencies
-            print(f"kvspec bench: target vllm is unavailable: {exc}", file=sys.stderr)
-            return 2
-        if args.policy != "baseline":
-            raise ConfigError("vLLM implements only the baseline policy")
-    runs = max(5, args.runs)
+            why = " ".join(str(exc).split())  # one line
+            raise ConfigError(f"target vllm is unavailable: {why if len(why) <= 200 else echo(why, 200)}") from None
+    steps = min(args.steps, 4) if args.quick else args.steps
+    return Plan(targets, workloads, points, max(5, args.runs), steps, device, args.threads)
+
+
+def run(args: argparse.Namespace) -> int:
+    p = plan(args)
     import torch
 
-    torch.set_num_threads(max(1, args.threads))
-    workloads = args.workload or list(WORKLOADS)
-    if args.scale:
-        grid = [tuple(int(x) for x in s.split(",")) for s in args.scale]
-    else:
-        grid = QUICK_GRID if args.quick else GRID
-    steps = min(args.steps, 4) if args.quick else args.steps
+    torch.set_num_threads(p.threads)
     started = time.monotonic()
 
     def progress(msg: str) -> None:
         print(f"[bench {time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     rows: list[dict[str, Any]] = []
-    for workload in workloads:
-        points = grid
-        if workload == "storm" and not args.scale:
-            points = QUICK_GRID if args.quick else STORM_GRID
-        for r, bpr, cpu in points:
-            for row in measure(workload, Scale(r, bpr, cpu), targets, args.policy, runs, steps, args.device,
+    for workload in p.workloads:
+        for r, bpr, cpu in p.points[workload]:
+            for row in measure(workload, Scale(r, bpr, cpu), p.targets, args.policy, p.runs, p.steps, p.device,
                                progress):
                 rows.append(row)
                 _emit(row, args.json)
     if args.payload:
         progress("payload copy")
-        for row in payload_bench(args.device, runs):
+        for row in payload_bench(p.device, p.runs):
             rows.append(row)
             _emit(row, args.json)
     return 0

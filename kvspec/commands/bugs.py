@@ -1,20 +1,34 @@
-"""``kvspec bugs``: fuzz every known-bug variant with the invariant catalogue as the only oracle."""
+"""``kvspec bugs``: fuzz every known-bug variant with the invariant catalogue as the only oracle.
+
+A bug counts as *found* only when a named invariant of its oracle breaks (kind
+``violation``); a crash of the variant is reported (kind ``crash``) but is not a find,
+since a crash says nothing about the rule the variant breaks. No reference model runs.
+
+Exit codes: 0 every bug found, 1 some bug not found, 2 bad arguments, 3 internal error,
+130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Any
 
-from kvspec.harness import fuzz, write_trace
+from kvspec.commands.fuzz import budget_seconds
+from kvspec.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
+from kvspec.harness import VIOLATION, check_writable, finding_name, fuzz, save_trace
 from kvspec.model.bugs import BUGS, make_bug_target
+from kvspec.trace import Trace
 
 NAME = "bugs"
 HELP = "fuzz each known-bug variant (invariants only, no reference model) and report what is found"
+EPILOG = "exit codes: 0 all found, 1 some not found, 2 bad input or usage, 3 internal error, 130 interrupted"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget", type=float, default=20.0, help="seconds per bug (default 20)")
+    p.epilog = EPILOG
+    p.add_argument("--budget", type=budget_seconds, default=20.0, help="seconds per bug (default 20)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--only", default=None, help="comma-separated bug names")
     p.add_argument("--out", default=None, help="directory for the shrunk traces")
@@ -22,36 +36,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def hunt(budget: float, seed: int, names: list[str] | None = None, out: str | None = None,
-         quiet: bool = False) -> list[dict]:
-    rows = []
+         quiet: bool = False) -> tuple[list[dict[str, Any]], bool]:
+    """One row per bug; the flag is True when Ctrl-C stopped the hunt (rows so far returned)."""
+    rows: list[dict[str, Any]] = []
     for name in names or list(BUGS):
         bug = BUGS[name]
         if not quiet:
             print(f"  hunting {name} ...", file=sys.stderr)
-        res = fuzz(lambda cfg, n=name: make_bug_target(n, cfg), bug.policy, budget, seed, bug.oracle,
-                   target_name=f"bug:{name}")
-        path = None
-        if res.found and res.trace is not None and out:
-            path = str(write_trace(res.trace, out, name))
-        rows.append({"bug": name, "source": bug.source, "found": res.found, "seconds": round(res.seconds, 3),
-                     "invariant": (res.outcome.violation.id if res.outcome and res.outcome.violation
-                                   else ("crash" if res.found else None)),
-                     "trace_ops": len(res.trace.ops) if res.trace else None, "trace": path})
-    return rows
+
+        def keep(trace: Trace, stage: str, name: str = name, policy: str = bug.policy) -> None:
+            if out is not None and stage == "shrunk":
+                save_trace(trace, out, f"{name}.jsonl" if trace.finding and trace.finding["kind"] == VIOLATION
+                           else finding_name(f"bug:{name}", policy, "claims", trace))
+
+        res = fuzz(lambda cfg, n=name: make_bug_target(n, cfg), bug.policy, budget, seed,
+                   target_name=f"bug:{name}", bug=name, on_finding=keep)
+        kind = res.kind
+        o = res.outcome
+        rows.append({"bug": name, "source": bug.source, "found": kind == VIOLATION, "kind": kind,
+                     "oracle": res.oracle, "seconds": round(res.seconds, 3),
+                     "invariant": o.violation.id if o is not None and o.violation is not None else None,
+                     "exception": o.exception if o is not None else None,
+                     "op_index": o.op_index if o is not None and kind else None,
+                     "trace_ops": len(res.trace.ops) if res.trace else None})
+        if res.interrupted:
+            return rows, True
+    return rows, False
 
 
 def run(args: argparse.Namespace) -> int:
     names = args.only.split(",") if args.only else None
     for n in names or []:
         if n not in BUGS:
-            print(f"kvspec bugs: unknown bug {n!r}; known: {', '.join(BUGS)}", file=sys.stderr)
-            return 2
-    rows = hunt(args.budget, args.seed, names, args.out, quiet=args.json)
+            raise ConfigError(f"unknown bug {n[:60]!r}; known: {', '.join(BUGS)}")
+    if args.out is not None:
+        check_writable(args.out)
+    rows, interrupted = hunt(args.budget, args.seed, names, args.out, quiet=args.json)
     if args.json:
         print(json.dumps(rows))
     else:
-        print(f"{'bug':26} {'found':6} {'seconds':>8} {'invariant':10} {'trace ops':>9}")
+        print(f"{'bug':26} {'found':6} {'kind':10} {'seconds':>8} {'invariant':10} {'trace ops':>9}")
         for r in rows:
-            print(f"{r['bug']:26} {'yes' if r['found'] else 'NO':6} {r['seconds']:8.2f} {r['invariant'] or '-':10} "
+            print(f"{r['bug']:26} {'yes' if r['found'] else 'NO':6} {r['kind'] or '-':10} {r['seconds']:8.2f} "
+                  f"{r['invariant'] or r['exception'] or '-':10} "
                   f"{r['trace_ops'] if r['trace_ops'] is not None else '-':>9}")
-    return 0 if all(r["found"] for r in rows) else 1
+        if interrupted:
+            print(f"interrupted after {len(rows)} of {len(names or BUGS)} bugs")
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_CLEAN if all(r["found"] for r in rows) else EXIT_FINDING

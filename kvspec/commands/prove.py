@@ -1,7 +1,8 @@
 """``kvspec prove``: discharge the Z3 proof obligations and show a table.
 
 Exit 0 only when every proof and bounded check holds, every expected counterexample is
-found and every vacuity check passes; 1 otherwise.
+found and every vacuity check passes; 1 otherwise; 2 for bad usage (``-k`` empty or matching
+no obligation, with or without ``--list``). ``--list --json`` prints the list as JSON.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import argparse
 import json
 import sys
 import time
+
+from kvspec.errors import ConfigError, echo
 
 NAME = "prove"
 HELP = "run the Z3 proof obligations (proofs, bounded cross-checks, counterexamples, vacuity checks)"
@@ -20,23 +23,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="one KV group only (drop the two-group duplicates)")
     parser.add_argument("-k", dest="select", default=None, metavar="TEXT",
-                        help="only obligations whose name or policy contains TEXT")
-    parser.add_argument("--list", action="store_true", help="list the obligations and exit")
+                        help="only obligations whose name contains TEXT or whose policy is TEXT "
+                             "(no match: exit 2)")
+    parser.add_argument("--list", action="store_true",
+                        help="list the obligations (as a JSON list with --json) and exit")
 
 
 def run(args: argparse.Namespace) -> int:
     from kvspec.specs.obligations import PASS, Obligation, Result, catalogue, run_all
 
     obs = catalogue(quick=args.quick)
-    if args.select:
+    if args.select is not None:
+        if not args.select.strip():
+            raise ConfigError("-k needs a non-empty TEXT (a part of an obligation name, or a policy)")
         obs = [ob for ob in obs if args.select in ob.name or args.select == ob.policy]
+        if not obs:
+            raise ConfigError(f"-k {echo(args.select)} matches no obligation"
+                              f"{' (of the --quick catalogue)' if args.quick else ''}; "
+                              "see kvspec prove --list")
     if args.list:
+        if args.json:
+            print(json.dumps([{"name": ob.name, "policy": ob.policy, "kind": ob.kind, "statement": ob.statement}
+                              for ob in obs], indent=2))
+            return 0
         for ob in obs:
             print(f"{ob.name}\t{ob.policy}\t{ob.kind}\t{ob.statement}")
         return 0
-    if not obs:
-        print("kvspec prove: no obligation matches", file=sys.stderr)
-        return 1
     total = len(obs)
     done = 0
     t0 = time.perf_counter()

@@ -18,17 +18,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvspec.commands.fuzz import budget_seconds
 from kvspec.errors import ConfigError
 from kvspec.harness import generate, random_config, run_ops
 from kvspec.model import make_scheduler
 
 NAME = "verify"
 HELP = "the main job: proofs, a conformance campaign, the known-bug catalogue (and vLLM when installed)"
+EPILOG = ("exit codes: 0 every stage passed or was skipped with a reason, 1 a stage failed, 2 bad usage, "
+          "3 internal error")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget", type=float, default=60.0, help="seconds for the conformance campaign (default 60)")
-    p.add_argument("--bug-budget", type=float, default=5.0, help="seconds per known bug (default 5)")
+    p.epilog = EPILOG
+    p.add_argument("--budget", type=budget_seconds, default=60.0,
+                   help="seconds for the conformance campaign (default 60)")
+    p.add_argument("--bug-budget", type=budget_seconds, default=5.0, help="seconds per known bug (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
 
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from kvspec.commands.bugs import hunt
 
     def bugs() -> tuple[bool, str]:
-        found = hunt(args.bug_budget, 1, quiet=True)
+        found, _ = hunt(args.bug_budget, 1, quiet=True)
         missed = [r["bug"] for r in found if not r["found"]]
         return not missed, f"{len(found) - len(missed)}/{len(found)} known bugs found" + (
             f"; missed {', '.join(missed)}" if missed else "")

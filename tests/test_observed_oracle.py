@@ -1,0 +1,109 @@
+"""C3, C5 and C6 are measured by the engine, not read from the policy's own counters.
+
+Each known-bug variant that breaks one of them is made to *lie*: after every call it zeroes
+the counters the policy keeps about itself (re-stores planned, self-evictions, useful entries
+evicted). The old checks read exactly those counters and would pass it; the catalogue must
+still find the bug, by what the engine observed in the connector metadata and the CPU pool.
+A further variant amplifies (re-stores keys that are still cached) and reports no re-store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from kvspec.harness import VIOLATION, fuzz
+from kvspec.interfaces import OffloadConfig
+from kvspec.model.block_pool import BlockPool
+from kvspec.model.bugs import RepairNoSameStepPin, RepairNoVictimRule
+from kvspec.model.engine import Engine
+from kvspec.model.invariants import check
+from kvspec.model.repair import Position, RepairScheduler
+from kvspec.model.scheduler import OffloadScheduler
+
+SELF_REPORTS = ("restores_last_plan", "lost_keys_at_repair", "self_evictions", "useful_evicted_by_restores")
+
+
+class _Lies:
+    """Mixin: every entry point ends by zeroing the policy's own counters."""
+
+    def _zero(self) -> None:
+        for name in SELF_REPORTS:
+            setattr(self, name, 0)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)  # type: ignore[misc]
+        self._zero()
+        return meta
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+        out = super().request_finished_all_groups(request, block_ids)  # type: ignore[misc]
+        self._zero()
+        return out
+
+
+class LyingNoSameStepPin(_Lies, RepairNoSameStepPin):
+    pass
+
+
+class LyingNoVictimRule(_Lies, RepairNoVictimRule):
+    pass
+
+
+class AmplifyingRepair(_Lies, RepairScheduler):
+    """Re-stores, besides the lost records, owned keys below a cursor that are still cached."""
+
+    def _repair_candidates(self, finishing: Any) -> list[tuple[Position, int, Any]]:
+        out = super()._repair_candidates(finishing)
+        wanted = {key for _, _, key in out}
+        for key, owners in list(self.owners.items()):
+            if key in wanted or self.cpu_pool.get_one_block(key) is None or self.in_flight_keys.get(key):
+                continue
+            for rid, g, p in owners:
+                st = self.reqs_to_store.get(rid)
+                if st is None or st.finished or p >= st.num_stored_blocks[g]:
+                    continue
+                if finishing is not None and rid != finishing[0]:
+                    continue
+                b = self._owned_block(st, st.block_ids[g], g, p)
+                if b is not None:
+                    out.append(((rid, g, p), b, key))
+                    break
+        return out
+
+
+def _factory(cls: type[OffloadScheduler]) -> Any:
+    def make(cfg: OffloadConfig) -> OffloadScheduler:
+        cfg = replace(cfg, policy="repair", lazy_offload=False)
+        return cls(cfg, BlockPool(cfg.num_gpu_blocks, "gpu", cfg.num_groups))
+    return make
+
+
+@pytest.mark.parametrize(("cls", "inv"), [(LyingNoSameStepPin, "C5"), (LyingNoVictimRule, "C6"),
+                                          (AmplifyingRepair, "C3")])
+def test_a_lying_policy_is_still_caught(cls: type[OffloadScheduler], inv: str) -> None:
+    found = None
+    for seed in range(4):
+        res = fuzz(_factory(cls), "repair", 20.0, seed, oracle=inv)
+        if res.found:
+            found = res
+            break
+    assert found is not None and found.kind == VIOLATION, f"{cls.__name__} escaped {inv}"
+    assert found.outcome is not None and found.outcome.violation is not None
+    assert found.outcome.violation.id == inv
+    # the policy's own counters say nothing happened, so the old self-reported checks would pass it
+    assert found.trace is not None
+    engine = Engine(_factory(cls)(found.trace.config))
+    for op in found.trace.ops:
+        engine.apply(op)
+        ps = engine.snapshot()["scheduler"]["policy_state"]
+        assert all(ps[name] == 0 for name in SELF_REPORTS)
+    assert [v.id for v in check(engine.snapshot(), [inv])] == [inv]
+
+
+def test_the_correct_policy_passes_the_observed_checks() -> None:
+    res = fuzz(_factory(RepairScheduler), "repair", 10.0, 7, oracle="C3,C5,C6")
+    assert not res.found, res.outcome.describe() if res.outcome else ""
+    assert res.rare["re-store"] > 0 and res.rare["eviction under a live cursor"] > 0
