@@ -107,3 +107,57 @@ def test_the_correct_policy_passes_the_observed_checks() -> None:
     res = fuzz(_factory(RepairScheduler), "repair", 10.0, 7, oracle="C3,C5,C6")
     assert not res.found, res.outcome.describe() if res.outcome else ""
     assert res.rare["re-store"] > 0 and res.rare["eviction under a live cursor"] > 0
+
+
+# -- observe_plan on hand-built snapshots: every fact, exactly -------------------------------------
+
+
+def _snap(cursors: dict[str, int], cached: dict[str, list[int]], stores: dict[str, list[int]],
+          finished: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A step's view: A holds GPU blocks 5, 6, 7 (keys h0..h2), B holds 5, 6 (the same prefix)."""
+    tables = {"A": [5, 6, 7], "B": [5, 6]}
+    return {
+        "engine": {"config": {"groups": [{"kind": "full", "sliding_window": 0}], "block_size": 16},
+                   "requests": {rid: {"status": "running", "table": [t], "block_hashes": ["h0", "h1", "h2"][: len(t)],
+                                      "num_computed_tokens": 16 * len(t)} for rid, t in tables.items()}},
+        "scheduler": {"reqs_to_store": {rid: {"num_stored_blocks": [c], "finished": rid in finished,
+                                              "block_ids": [tables[rid]]} for rid, c in cursors.items()},
+                      "store_events": {e: {"gpu": g, "cpu": [1] * len(g)} for e, g in stores.items()},
+                      "pending_finished_stores": []},
+        "gpu_pool": {"block_hash": [None] * 5 + ["h0:0", "h1:0", "h2:0"]},
+        "cpu_pool": {"cached": cached},
+    }
+
+
+def test_observe_plan_names_what_the_step_passed_and_evicted() -> None:
+    from kvspec.model.invariants import observe_plan
+
+    # A's cursor passes h0 and h1 (cached) and stores h2; the allocation evicts h0, which B
+    # owns below its cursor with no parent: a live, useful entry taken by new work
+    pre = _snap({"A": 0, "B": 2}, {"h0:0": [1], "h1:0": [2]}, {})
+    post = _snap({"A": 3, "B": 2}, {"h1:0": [2]}, {"0": [7]})
+    plan = observe_plan(pre, post, [7])
+    assert plan == {"copies": 1, "new_work_copies": 1, "restore_copies": 0, "lost_keys": 1, "unlost_restores": [],
+                    "judged_cached_evicted": ["h0:0"], "live_useful_evicted": ["h0:0"]}
+    # a re-store: h0 and h2 are lost (owned below a cursor, covered by nothing); h0 is copied
+    # from block 5, which both A and B hold only below their cursors
+    pre = _snap({"A": 3, "B": 2}, {"h1:0": [2]}, {})
+    post = _snap({"A": 3, "B": 2}, {"h1:0": [2]}, {"0": [5]})
+    plan = observe_plan(pre, post, [5])
+    assert (plan["restore_copies"], plan["lost_keys"], plan["unlost_restores"]) == (1, 2, [])
+    # re-storing h1, which is still cached, is amplification
+    post = _snap({"A": 3, "B": 2}, {"h1:0": [2]}, {"0": [6]})
+    assert observe_plan(pre, post, [6])["unlost_restores"] == ["h1:0"]
+
+
+def test_observe_plan_for_a_finish_flush() -> None:
+    from kvspec.model.invariants import observe_plan
+
+    # A finishes with cursor 0: the flush copies h2 (block 7), so it passed h0 and h1; h0 was
+    # cached before and is gone after: judged cached and evicted by the flush's own allocation
+    pre = _snap({"A": 0}, {"h0:0": [1], "h1:0": [2]}, {})
+    post = _snap({"A": 0}, {"h1:0": [2]}, {}, finished=("A",))
+    post["scheduler"]["pending_finished_stores"] = [{"gpu": [7], "cpu": [1]}]
+    assert observe_plan(pre, post, [7], finishing="A")["judged_cached_evicted"] == ["h0:0"]
+    # a flush that copied nothing passed nothing
+    assert observe_plan(pre, post, [], finishing="A")["judged_cached_evicted"] == []

@@ -1,10 +1,16 @@
-"""``kvspec check-snapshot FILE``: validate a snapshot file and run the invariant catalogue on it.
+"""``kvspec check-snapshot FILE``: validate a snapshot file and check an oracle's invariants on it.
 
 Any engine that can dump its state in kvspec's snapshot format
 (``kvspec/schema/snapshot.schema.json``) can be checked this way, without kvspec's
-model. Exit codes: 0 nothing violated, 1 violations (one line each: id, message,
-requests and blocks involved), 2 the file is unreadable or malformed (one line naming
-the field and why) or the arguments are wrong.
+model. The oracle (``--oracle``, see ``kvspec.oracle``) is by default what the snapshot's
+policy (``scheduler.policy``) claims under the configuration in ``engine.config``; without an
+``engine`` section, the claims that hold under every configuration and need no engine view.
+``--oracle all`` is the whole catalogue; ``--oracle I1,I3`` (or ``--ids I1,I3``) exactly those.
+
+Exit codes: 0 nothing violated; 1 violations (one line each: id, message, requests and
+blocks involved); 2 the file is unreadable or malformed (one line naming the field and
+why), or the arguments are wrong, or an explicitly named invariant needs the ``engine``
+section the snapshot lacks (``claims`` and ``all`` skip those and say so).
 """
 
 from __future__ import annotations
@@ -14,33 +20,89 @@ import json
 import sys
 from typing import Any
 
-from kvspec.errors import ConfigError, KVSpecError, SnapshotFormatError
+from kvspec import oracle as oracles
+from kvspec.errors import EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_FINDING, ConfigError, KVSpecError, SnapshotFormatError
 from kvspec.model.invariants import CATALOGUE, Violation
 from kvspec.snapshot_io import load_snapshot
 
 NAME = "check-snapshot"
-HELP = "validate a snapshot file and check the invariant catalogue on it"
+HELP = "validate a snapshot file and check an oracle's invariants on it (exit 0 clean, 1 violations, 2 bad input)"
+
+LINE_LIMIT = 400  # characters of a violation's message printed in text mode
+SHOWN_IDS = 10  # requests, and blocks x2, printed per violation in text mode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("exit codes: 0 no invariant of the oracle violated, 1 violations, 2 bad input or usage "
+                     "(unreadable or malformed file, unknown oracle, engine-only ids on a snapshot without "
+                     "an engine section), 3 internal error, 130 interrupted")
     parser.add_argument("file", metavar="FILE", help="snapshot JSON file (what OffloadTarget.snapshot() returns)")
-    parser.add_argument("--json", action="store_true", help='print {"ok": bool, "violations": [...]}')
+    parser.add_argument("--json", action="store_true",
+                        help='print {"ok": bool, "oracle": {"name", "ids"}, "violations": [...], '
+                             '"checked": [...], "skipped": [...]}')
+    parser.add_argument("--oracle", metavar="SPEC", default=None,
+                        help="which invariants judge the snapshot: 'claims' (default: what scheduler.policy "
+                             "claims under engine.config), 'all' (the whole catalogue), or comma-separated "
+                             "catalogue ids")
     parser.add_argument("--ids", metavar="ID,ID", default=None,
-                        help="check only these invariants (comma-separated catalogue ids, e.g. I1,I3)")
+                        help="same as --oracle ID,ID: check only these invariants (e.g. I1,I3)")
 
 
-def _parse_ids(text: str | None) -> list[str]:
-    if text is None:
-        return list(CATALOGUE)
-    ids = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [i for i in ids if i not in CATALOGUE]
-    if not ids or unknown:
-        what = f"unknown invariant id(s) {', '.join(unknown)}" if unknown else "no invariant ids given"
-        raise ConfigError(f"--ids: {what}; known: {', '.join(CATALOGUE)}")
-    return list(dict.fromkeys(ids))
+# -- choosing the oracle ---------------------------------------------------------------------
 
 
-def check_snapshot(snapshot: dict[str, Any], ids: list[str]) -> tuple[list[Violation], list[str], list[str]]:
+def _claims_without_engine(policy: str) -> oracles.Oracle:
+    """The claims of ``policy`` that hold under every configuration (a policy may claim an id
+    only for some configurations, e.g. baseline's I8 and I10 for full attention only): the
+    intersection over representative configurations."""
+    from kvspec.interfaces import KVGroup, OffloadConfig
+
+    candidates = [
+        {"policy": policy},
+        {"policy": policy, "groups": (KVGroup(), KVGroup("sliding", 32))},
+        {"policy": policy, "lazy_offload": True},
+        {"policy": policy, "world_size": 2},
+    ]
+    common: set[str] | None = None
+    for kwargs in candidates:
+        try:
+            cfg = OffloadConfig(**kwargs)  # type: ignore[arg-type]
+            cfg.validate()
+        except KVSpecError:  # e.g. lazy offload is baseline-only
+            continue
+        ids = set(oracles.claims(cfg).ids)
+        common = ids if common is None else common & ids
+    ids_t = tuple(i for i in CATALOGUE if common is not None and i in common)
+    return oracles.Oracle(f"claims of {policy} (any configuration: no engine section)", ids_t)
+
+
+def choose_oracle(snapshot: dict[str, Any], spec: str | None, option: str = "--oracle") -> oracles.Oracle:
+    """The oracle ``spec`` names for ``snapshot`` (already validated). ``ConfigError`` for an
+    explicit id list with ids that need the engine section the snapshot lacks."""
+    has_engine = "engine" in snapshot
+    if spec is None or spec == "claims":
+        if has_engine:
+            from kvspec.interfaces import OffloadConfig
+
+            try:
+                cfg = OffloadConfig.from_json(snapshot["engine"]["config"])
+            except KVSpecError as exc:  # validation already checks it; kept so that it never crashes
+                raise SnapshotFormatError(f"engine.config: not a valid configuration: {exc}") from None
+            return oracles.resolve(None, cfg)
+        return _claims_without_engine(snapshot["scheduler"]["policy"])
+    if spec == "all":
+        return oracles.Oracle("all", oracles.catalogue_ids())
+    ids = oracles.parse_ids(spec, option)
+    if not has_engine:
+        need = [i for i in ids if CATALOGUE[i].needs_engine]
+        if need:
+            raise ConfigError(f"{option}: {', '.join(need)} need(s) the engine section, which this snapshot "
+                              "does not have (give a snapshot with an engine section, or leave them out)")
+    return oracles.Oracle(",".join(ids), ids)
+
+
+def check_snapshot(snapshot: dict[str, Any], ids: list[str] | tuple[str, ...]
+                   ) -> tuple[list[Violation], list[str], list[str]]:
     """(violations, ids checked, ids skipped because they need the engine section).
 
     Each invariant runs on its own; one that cannot evaluate the snapshot (a rule the
@@ -57,35 +119,68 @@ def check_snapshot(snapshot: dict[str, Any], ids: list[str]) -> tuple[list[Viola
             continue
         try:
             violations.extend(inv.fn(snapshot))
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError) as exc:
             raise SnapshotFormatError(
-                f"invariant {id_} cannot be evaluated on this snapshot ({type(exc).__name__}: {exc})"
+                f"invariant {id_} cannot be evaluated on this snapshot ({type(exc).__name__}: {_cut(str(exc), 120)})"
             ) from None
         checked.append(id_)
     return violations, checked, skipped
 
 
+# -- output ----------------------------------------------------------------------------------
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 20]}… ({len(text)} chars)"
+
+
+def _line(v: Violation) -> str:
+    """``str(v)`` with every part bounded (a 5 MB request id or key is not printed whole)."""
+    where = []
+    if v.requests:
+        shown = [_cut(r, 40) for r in v.requests[:SHOWN_IDS]]
+        more = f",… ({len(v.requests)} requests)" if len(v.requests) > SHOWN_IDS else ""
+        where.append("requests " + ",".join(shown) + more)
+    if v.blocks:
+        more = f",… ({len(v.blocks)} blocks)" if len(v.blocks) > 2 * SHOWN_IDS else ""
+        where.append("blocks " + ",".join(map(str, v.blocks[: 2 * SHOWN_IDS])) + more)
+    return f"{v.id}: {_cut(v.message, LINE_LIMIT)}" + (f" [{'; '.join(where)}]" if where else "")
+
+
+def _show_file(name: str) -> str:
+    return _cut(name, 200)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        ids = _parse_ids(args.ids)
+        if args.ids is not None and args.oracle is not None:
+            raise ConfigError("--ids and --oracle: give one of them (--ids I1,I3 is --oracle I1,I3)")
+        spec, option = (args.ids, "--ids") if args.ids is not None else (args.oracle, "--oracle")
+        if args.ids is not None:
+            oracles.parse_ids(args.ids, "--ids")  # an id list only: 'claims' and 'all' are --oracle's
+        else:
+            oracles.check_spec(spec)
         snapshot = load_snapshot(args.file)
-        violations, checked, skipped = check_snapshot(snapshot, ids)
+        oracle = choose_oracle(snapshot, spec, option)
+        violations, checked, skipped = check_snapshot(snapshot, oracle.ids)
     except KVSpecError as exc:
         if args.json:
             print(json.dumps({"ok": False, "error": str(exc), "violations": []}))
         print(f"kvspec {NAME}: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     if args.json:
-        print(json.dumps({"ok": not violations, "violations": [v.to_json() for v in violations],
+        print(json.dumps({"ok": not violations, "oracle": oracle.to_json(),
+                          "violations": [v.to_json() for v in violations],
                           "checked": checked, "skipped": skipped}))
-        return 1 if violations else 0
+        return EXIT_FINDING if violations else EXIT_CLEAN
     for v in violations:
-        print(v)
+        print(_line(v))
     note = f"; skipped {', '.join(skipped)} (they need the engine section)" if skipped else ""
+    summary = f"oracle {oracle.name}: {len(checked)} invariant(s) checked{note}"
+    where = _show_file(str(args.file))
     if violations:
         broken = ", ".join(dict.fromkeys(v.id for v in violations))
-        print(f"FAIL: {len(violations)} violation(s) of {broken} in {args.file} "
-              f"({len(checked)} invariant(s) checked{note})")
-        return 1
-    print(f"ok: no invariant violated in {args.file} ({len(checked)} invariant(s) checked{note})")
-    return 0
+        print(f"FAIL: {len(violations)} violation(s) of {broken} in {where} ({summary})")
+        return EXIT_FINDING
+    print(f"ok: no invariant violated in {where} ({summary})")
+    return EXIT_CLEAN
