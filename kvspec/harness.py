@@ -167,6 +167,7 @@ class Run:
         self.rare = rare
         self.index = 0
         self.rejected = 0
+        self._snapshot: dict[str, Any] | None = None  # the engine's snapshot after the last operation
 
     def apply(self, op: dict[str, Any], recorded: bool = True) -> Outcome | None:
         """Run ``op``. ``recorded``: the operation comes from a trace, so its ``expect`` must hold
@@ -176,7 +177,8 @@ class Run:
         name = str(op.get("op"))
         expect_error = op.get("expect") == "error"
         clean = {k: v for k, v in op.items() if k != "expect"}
-        before = self.engine.snapshot()
+        before = self._snapshot if self._snapshot is not None else self.engine.snapshot()
+        self._snapshot = None
         try:
             self.engine.apply(clean)
             rejected: KVSpecError | None = None
@@ -188,6 +190,7 @@ class Run:
             if self.engine.snapshot() != before:
                 return self._crash(i, name, rejected, "its rejection changed the state")
             self.rejected += 1
+            self._snapshot = before
         if recorded and expect_error and rejected is None:
             return Outcome(i + 1, op_index=i, op_name=name, rejected=self.rejected,
                            expectation=f"{name} was expected to be rejected, and was accepted")
@@ -203,7 +206,7 @@ class Run:
                 return found
         if rejected is not None:
             return None
-        snap = self.engine.snapshot()
+        snap = self._snapshot = self.engine.snapshot()
         if self.rare is not None:
             self.rare.observe(before, snap, clean)
         violations = check(snap, self.ids)

@@ -514,8 +514,18 @@ class Engine:
     # -- observation --------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """The target's snapshot plus the engine's view (requests, data, transfers in flight)."""
+        """The target's snapshot plus the engine's view (requests, data, transfers in flight).
+
+        ``requests`` lists every request that has not finished, and the finished ones that
+        anything still names: the target's state (pins, loads, store state, events, loss
+        records), a load in flight, or the finish that was the last operation. A finished
+        request nothing names has no state any invariant could judge, so leaving it out keeps
+        a snapshot, and the step that takes it, proportional to the live state rather than to
+        the whole history. O(live requests + target state)."""
         snap = self.target.snapshot()
+        named = _requests_named(snap["scheduler"]) | set(self.loads_shipped)
+        if self.last_op == "finish" and self.last_finish is not None:
+            named.add(self.last_finish["rid"])
         snap["engine"] = {
             "config": self.config.to_json(),
             "step": self.step_index,
@@ -530,6 +540,7 @@ class Engine:
                     "free_after_load": r.free_after_load,
                 }
                 for rid, r in self.requests.items()
+                if r.status != FINISHED or r.free_after_load or rid in named
             },
             "gpu_data": list(self.gpu_data),
             "cpu_data": list(self.cpu_data),
@@ -543,3 +554,14 @@ class Engine:
             "last_plan": self.last_plan,
         }
         return snap
+
+
+def _requests_named(sched: dict[str, Any]) -> set[str]:
+    """Request ids a scheduler snapshot section refers to anywhere."""
+    named = set(sched["pending_cpu_hits"]) | set(sched["reqs_to_load"]) | set(sched["abandoned_reqs_to_load"])
+    named |= set(sched["reqs_to_store"])
+    for section in ("load_event_to_reqs", "store_event_to_reqs"):
+        for rids in sched[section].values():
+            named.update(rids)
+    named.update(str(rec[0]) for rec in sched["policy_state"].get("lost", ()))
+    return named
