@@ -8,13 +8,18 @@ GPU). See ``kvspec.impl.scheduler`` for the shape of the state and
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvspec.interfaces import OffloadConfig
 
+if TYPE_CHECKING:
+    from kvspec.impl.scheduler import TensorOffloadScheduler
+
 
 def make_scheduler(config: OffloadConfig, device: str | torch.device = "cpu",
-                   block_shape: tuple[int, ...] = (2, 8), dtype: torch.dtype = torch.float32):
+                   block_shape: tuple[int, ...] = (2, 8), dtype: torch.dtype = torch.float32) -> TensorOffloadScheduler:
     """An implementation target for ``config`` (any policy, eager or lazy)."""
     from kvspec.impl.scheduler import TensorOffloadScheduler
 

@@ -30,4 +30,4 @@ def longest_hit(firsts: list[list[int]], groups: Sequence[KVGroup], max_length: 
                 block_size: int) -> tuple[list[list[int]], int]:
     """(blocks per group, hit length in tokens) from the gathered lookups."""
     positions = range(len(firsts[0]) if firsts else 0)
-    return find_longest_cache_hit(_GatheredLookup(firsts), positions, max_length, groups, block_size)  # type: ignore[arg-type]
+    return find_longest_cache_hit(_GatheredLookup(firsts), positions, max_length, groups, block_size)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -62,8 +63,8 @@ class KeyTable:
         get = self._hid.get
         out = [get(t) for t in texts]
         if None in out:
-            out = [self.hash_id(t) for t in texts]
-        return out  # type: ignore[return-value]
+            return [self.hash_id(t) for t in texts]
+        return cast("list[int]", out)  # no None in it
 
     def known_hash_id_map(self) -> dict[str, int]:
         """hash text -> hash id of every hash interned so far (read-only; do not change it)."""

@@ -21,6 +21,8 @@ chunked so that the gathered rows are still in cache when they are written.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvspec.impl.convert import int_tensor
@@ -105,7 +107,8 @@ class PayloadStore:
     """The KV data of both pools and the pending compute writes."""
 
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int, block_shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device, seeds_of_keys) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 seeds_of_keys: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.gpu = torch.zeros((num_gpu_blocks, *self.block_shape), dtype=dtype, device=device)

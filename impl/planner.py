@@ -44,7 +44,7 @@ class Candidates:
     occ: torch.Tensor  # local request index
     g: torch.Tensor
     p: torch.Tensor
-    phase1: torch.Tensor  # True: [cursor, ready) (moves the cursor); False: rescan of [0, cursor)
+    phase1: torch.Tensor | None  # True: [cursor, ready) (moves the cursor); False: rescan of [0, cursor) (None: all)
     pair: torch.Tensor  # occ * G + g
     src: torch.Tensor  # GPU block to store (-1: null and not recoverable)
     has_nulls: bool = True  # False when no position held the null block
@@ -59,7 +59,12 @@ class Decision:
     cut: int  # requests decided (a prefix of the batch)
 
 
-def layout(cur: torch.Tensor, ready: torch.Tensor, rescan: bool) -> tuple[torch.Tensor, ...] | None:
+# (occ, g, p, phase1, pair, n1); phase1 is None without a rescan (every position is in phase 1),
+# n1 is None with one (see Candidates).
+Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
+
+
+def layout(cur: torch.Tensor, ready: torch.Tensor, rescan: bool) -> Layout | None:
     """Flat (occ, g, p, phase1, pair) for ranges [cursor, ready) (after [0, min(cursor, ready)))."""
     k, G = cur.shape
     n1 = (ready - cur).clamp(min=0)
@@ -145,6 +150,7 @@ def decide(c: Candidates, k: int, G: int, gpu_key: torch.Tensor, in_flight: torc
         if c.n1 is not None:
             advance = c.n1
         else:
+            assert c.phase1 is not None, "layout() sets phase1 whenever it leaves n1 unset"
             advance = torch.zeros(k * G, dtype=torch.int64, device=dev)
             advance.scatter_add_(0, c.pair, c.phase1.to(torch.int64)).view(k, G)
         return Decision(rsel if not c.has_nulls else c.src[ready], advance.view(k, G),

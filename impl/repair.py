@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvspec.impl.convert import int_tensor
-from kvspec.impl.planner import layout
+from kvspec.impl.planner import Layout, layout
 from kvspec.impl.policies import BaselinePolicy
 from kvspec.interfaces import RequestView, SchedulerOutput
 
@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from kvspec.impl.scheduler import StepBatch, TensorOffloadScheduler
 
 Position = tuple[str, int, int]
+# One request's decisions in _scan_batch: (retire, floors, regs, judged, pins, selected, sel_keys, advance)
+_Plan = tuple[list[int], list[tuple[int, int]], list[tuple[int, int, int]], list[int], list[int], list[int],
+              list[int], list[int]]
 
 
 class RepairPolicy(BaselinePolicy):
@@ -335,7 +338,7 @@ class RepairPolicy(BaselinePolicy):
         ifk_batch: dict[int, int] = {}
         pinned: dict[int, int] = {}  # free CPU block -> the request that pinned it first
         free_now = s.cpu_pool.free.count
-        plans = []
+        plans: list[_Plan | None] = []
         sensitive: dict[int, int] = {}  # key -> last request whose decisions read it
         i0 = 0
         for i in range(k):
@@ -418,10 +421,11 @@ class RepairPolicy(BaselinePolicy):
             removed: set[int] = set()
             evicted_at: dict[int, int] = {}
             for i in range(k):
-                if plans[i] is None:
+                pl = plans[i]
+                if pl is None:
                     continue
-                removed.update(c for c in plans[i][4] if pinned.get(c) == i)
-                need = len(plans[i][5])
+                removed.update(c for c in pl[4] if pinned.get(c) == i)
+                need = len(pl[5])
                 while need:
                     b, kid = peek_b[ptr], peek_k[ptr]
                     ptr += 1
@@ -442,12 +446,12 @@ class RepairPolicy(BaselinePolicy):
         plans = plans[:cut]
 
         # -- commit the first ``cut`` requests
-        plans = [(i, pl) for i, pl in enumerate(plans) if pl is not None]
-        pins_all = [c for _, pl in plans for c in pl[4]]
+        decided = [(i, pl) for i, pl in enumerate(plans) if pl is not None]
+        pins_all = [c for _, pl in decided for c in pl[4]]
         if pins_all:
             s.cpu_pool.touch_t(int_tensor(pins_all, dev))
             self.held.extend(pins_all)
-        sel_all = [b for _, pl in plans for b in pl[5]]
+        sel_all = [b for _, pl in decided for b in pl[5]]
         ev_first: dict[int, int] = {}
         if sel_all:
             cpu, _, ev_k = s.cpu_pool.alloc(len(sel_all))
@@ -460,7 +464,7 @@ class RepairPolicy(BaselinePolicy):
             batch.gpu.append(gsel)
             batch.cpu.append(cpu)
         owners, owned_keys = self.owners, self.owned_keys
-        for i, (retire, floors, regs, judged, _pins, selected, sel_keys, advance) in plans:
+        for i, (retire, floors, regs, judged, _pins, selected, sel_keys, advance) in decided:
             rid, slot = rids[i], slots[i]
             for kid in retire:
                 self.retired[kid] = None
@@ -482,7 +486,7 @@ class RepairPolicy(BaselinePolicy):
                     self._record_evictions(ev, [ev_first[kid] for kid in ev])
             if any(advance):
                 self._adv[slot] = advance
-        sel_keys_all = [kid for _, pl in plans for kid in pl[6]]
+        sel_keys_all = [kid for _, pl in decided for kid in pl[6]]
         if sel_keys_all:
             self._ifk_add(int_tensor(sel_keys_all, dev))
         if self._adv:
@@ -493,7 +497,7 @@ class RepairPolicy(BaselinePolicy):
         return cut
 
 
-    def _commit_if_all_fit(self, rids: list[str], sl: torch.Tensor, lay: tuple[torch.Tensor, ...],
+    def _commit_if_all_fit(self, rids: list[str], sl: torch.Tensor, lay: Layout,
                            facts: tuple[torch.Tensor, ...], batch: StepBatch) -> bool:
         """The usual batch, decided with tensor ops and committed whole; False (nothing changed)
         sends the batch to the request-by-request pass.
@@ -508,6 +512,7 @@ class RepairPolicy(BaselinePolicy):
         s = self.s
         dev = s.device
         occ, g_t, p_t, n1 = lay[0], lay[1], lay[2], lay[5]
+        assert n1 is not None, "the layout without a rescan counts each range (n1)"
         gid, owned, okey, cblock, cfree = facts
         rest = owned
         if self.in_flight_keys:
@@ -521,7 +526,7 @@ class RepairPolicy(BaselinePolicy):
                 first = torch.full_like(uk, fi.numel()).scatter_reduce_(0, inv, at, reduce="amin")
                 fi = fi[first[inv] == at]
         pins = cblock[cached]
-        free_pins = pins[cfree[cached]].unique()
+        free_pins = torch.unique(pins[cfree[cached]])
         n_sel = fi.numel()
         if n_sel + free_pins.numel() > s.cpu_pool.free.count:
             return False
@@ -530,7 +535,7 @@ class RepairPolicy(BaselinePolicy):
             pk = s.cpu_pool.key[popped]
             pk = pk[pk >= 0]
             if (bool(torch.isin(popped, free_pins).any()) or bool(torch.isin(pk, okey[owned]).any())
-                    or pk.unique().numel() < pk.numel()):
+                    or torch.unique(pk).numel() < pk.numel()):
                 return False
         if pins.numel():
             s.cpu_pool.touch_t(pins)

@@ -16,7 +16,7 @@ store events, the finished flag, and the interned hash ids of its ``block_hashes
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -182,8 +182,9 @@ class StoreTable:
             if len(hashes) > n:
                 add = [known.get(t) for t in hashes[n:]] if len(hashes) - n < 8 else None
                 if add is None or None in add:
-                    add = self.keys.hash_ids(hashes[n:])
-                have.extend(add)
+                    have.extend(self.keys.hash_ids(hashes[n:]))
+                else:
+                    have.extend(cast("list[int]", add))  # no None in it: every hash has an id already
             m = len(have)
             lens.append(m)
             hid_done[s] = m

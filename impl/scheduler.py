@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from itertools import compress, repeat
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -279,8 +279,9 @@ class TensorOffloadScheduler:
             st.reset_rows([st.slot_of[r] for r in out.preempted_req_ids if r in st.slot_of], True)
         cr = out.scheduled_cached_reqs
         new = out.scheduled_new_reqs
-        rids = [nr.req_id for nr in new] + cr.req_ids if new else cr.req_ids
-        ids = [nr.block_ids for nr in new] + cr.new_block_ids if new else cr.new_block_ids
+        rids: list[str] = [nr.req_id for nr in new] + cr.req_ids if new else cr.req_ids
+        new_ids: list[BlockIds | None] = [nr.block_ids for nr in new]
+        ids = new_ids + cr.new_block_ids if new else cr.new_block_ids
         if cr.resumed_req_ids:
             full = [True] * len(new) + [r in cr.resumed_req_ids for r in cr.req_ids]
         else:
@@ -288,11 +289,15 @@ class TensorOffloadScheduler:
         memo = self._memo
         if not new and memo is not None and memo[1] == st.version and rids == memo[0]:
             return [Segment(memo[0], ids, full, memo[2])]  # the same running batch as last step
-        slots = list(map(st.slot_of.get, rids))
-        if None in slots or st.num_finished:
+        found = list(map(st.slot_of.get, rids))
+        slots: list[int]
+        if None in found or st.num_finished:
             fin = st.finished
-            keep = [s is not None and not fin[s] for s in slots]
-            rids, ids, full, slots = (list(compress(x, keep)) for x in (rids, ids, full, slots))
+            keep = [s is not None and not fin[s] for s in found]
+            rids, ids, full = list(compress(rids, keep)), list(compress(ids, keep)), list(compress(full, keep))
+            slots = [s for s in compress(found, keep) if s is not None]  # keep is False for every None
+        else:
+            slots = cast("list[int]", found)  # no None in it
         if len(set(slots)) == len(slots):
             if not new:
                 self._memo = (list(rids), st.version, slots)

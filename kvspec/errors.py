@@ -6,6 +6,11 @@ message that says what was wrong. A rejected call leaves the snapshot exactly as
 it was (tests/test_errors.py proves it for every kind of bad input).
 """
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvspec.snapshot_io import FormatIssue
+
 
 class KVSpecError(Exception):
     """Base class of every error kvspec raises on purpose."""
@@ -61,6 +66,11 @@ class TraceError(KVSpecError):
 
 class SnapshotFormatError(KVSpecError):
     """A snapshot that does not follow the schema: names the field and why."""
+
+    # Set by kvspec.snapshot_io.validate_snapshot (not by the other raisers): every problem
+    # found, and the first one's field path.
+    issues: "list[FormatIssue]"
+    path: str
 
 
 # -- exit codes of every ``kvspec`` command ---------------------------------------------------

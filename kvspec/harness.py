@@ -576,17 +576,22 @@ def make_state_machine(factory: TargetFactory, reference: TargetFactory | None =
                     save_trace(trace, trace_dir, finding_name("harness", policy, "claims", trace))
                 raise AssertionError(message)
 
+        def _live(self) -> Engine:
+            """The engine: ``setup`` (the @initialize rule) runs before every other rule."""
+            assert self.engine is not None
+            return self.engine
+
         def _waiting(self) -> list[str]:
-            return [r for r, q in self.engine.requests.items() if q.status in ("waiting", "preempted")]
+            return [r for r, q in self._live().requests.items() if q.status in ("waiting", "preempted")]
 
         def _running(self) -> list[str]:
-            return [r for r, q in self.engine.requests.items() if q.status in ("running", "loaded")]
+            return [r for r, q in self._live().requests.items() if q.status in ("running", "loaded")]
 
         # -- rules ----------------------------------------------------------------------
         @rule(target=requests, family=st.integers(0, 2), blocks=st.integers(1, 6), extra=st.sampled_from([0, 1, 8]),
               max_tokens=st.sampled_from([1, 2, 16, 32]))
         def add(self, family: int, blocks: int, extra: int, max_tokens: int) -> str:
-            rid = f"r{len(self.engine.requests)}"
+            rid = f"r{len(self._live().requests)}"
             self._apply({"op": "add", "rid": rid, "family": family, "prompt_len": blocks * 16 + extra,
                          "max_tokens": max_tokens})
             return rid
@@ -597,20 +602,21 @@ def make_state_machine(factory: TargetFactory, reference: TargetFactory | None =
             admit = data.draw(st.lists(st.sampled_from(waiting), unique=True)) if waiting else []
             preempt = data.draw(st.lists(st.sampled_from(running), unique=True, max_size=1)) if running else []
             self._apply({"op": "step", "admit": admit, "chunk": chunk, "preempt": preempt, "resume": resume})
-            lost = len(self.engine.snapshot()["scheduler"]["policy_state"].get("lost", []))
+            lost = len(self._live().snapshot()["scheduler"]["policy_state"].get("lost", []))
             self.max_lost = max(self.max_lost, lost)
 
         @precondition(lambda self: self.engine is not None and bool(self.engine.reports_left))
         @rule(data=st.data())
         def report(self, data: Any) -> None:
-            e = data.draw(st.sampled_from(sorted(self.engine.reports_left)))
-            count = data.draw(st.integers(1, self.engine.reports_left[e]))
+            reports_left = self._live().reports_left
+            e = data.draw(st.sampled_from(sorted(reports_left)))
+            count = data.draw(st.integers(1, reports_left[e]))
             self._apply({"op": "report", "event": e, "count": count})
 
         @precondition(lambda self: self.engine is not None and bool(self.engine.loads_shipped))
         @rule(data=st.data())
         def load_done(self, data: Any) -> None:
-            self._apply({"op": "load_done", "rid": data.draw(st.sampled_from(sorted(self.engine.loads_shipped)))})
+            self._apply({"op": "load_done", "rid": data.draw(st.sampled_from(sorted(self._live().loads_shipped)))})
 
         @rule(rid=consumes(requests))
         def finish(self, rid: str) -> None:
@@ -636,7 +642,7 @@ def make_state_machine(factory: TargetFactory, reference: TargetFactory | None =
 
         @invariant()
         def catalogue(self) -> None:
-            if self.engine is None:
+            if self.engine is None or self.config is None:  # (both are set by setup)
                 return
             own_check = getattr(self.engine.target, "_check", None)
             if own_check is not None:  # the model's structures check themselves (free queues, pools, scheduler)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from kvspec.errors import (
     ConfigError,
@@ -25,6 +25,7 @@ from kvspec.errors import (
 )
 
 POLICIES = ("baseline", "signal-rescan", "repair")
+_T_co = TypeVar("_T_co", covariant=True)
 
 
 # -- configuration ---------------------------------------------------------------------------
@@ -289,11 +290,28 @@ class ConnectorMetadata:
 # -- the target Protocol ---------------------------------------------------------------------
 
 
+class BlockIndexed(Protocol[_T_co]):
+    """A read-only per-block table: indexed by block id (a list, or a view of vLLM's blocks)."""
+
+    def __getitem__(self, block_id: int, /) -> _T_co: ...
+    def __len__(self) -> int: ...
+
+
 @runtime_checkable
 class GpuPool(Protocol):
     """The GPU ``BlockPool`` operations the engine model uses (ids, not block objects)."""
 
     num_blocks: int
+
+    @property
+    def ref_cnt(self) -> BlockIndexed[int]:
+        """Per block id: how many holders it has (the engine reads it at admission)."""
+        ...
+
+    @property
+    def block_hash(self) -> BlockIndexed[tuple[str, int] | None]:
+        """Per block id: its ``(hash, group)`` key, or None (read at schedule time and for C7)."""
+        ...
 
     def get_num_free_blocks(self) -> int: ...
     def get_new_blocks(self, n: int) -> list[int]: ...
@@ -312,8 +330,11 @@ class OffloadTarget(Protocol):
     ``kvspec.vllm_adapter``) implement it; the engine model drives any of them.
     """
 
-    config: OffloadConfig
-    gpu_pool: GpuPool
+    # Read-only members, so that a target may declare its own pool class (a subtype of GpuPool).
+    @property
+    def config(self) -> OffloadConfig: ...
+    @property
+    def gpu_pool(self) -> GpuPool: ...
 
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]: ...
     def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds, num_external_tokens: int) -> None: ...
@@ -421,7 +442,7 @@ _ID_COLLECTIONS = (set, frozenset, list, tuple)
 def _all_str(items: _Iterable[object]) -> bool:
     """Every item a str: one C-level pass (``str.join`` refuses anything else)."""
     try:
-        "".join(items)  # type: ignore[arg-type]
+        "".join(items)  # type: ignore[arg-type]  # any objects on purpose: the TypeError is the test
     except TypeError:
         return False
     return True
@@ -566,12 +587,13 @@ def check_scheduler_output(out: object, num_groups: int, num_blocks: int) -> int
         return 0
     values = counts.values()
     if set(map(type, values)) == {int}:
-        low = min(values)
+        low: int = min(values)
         if low >= 0:
             return low
     for rid, n in counts.items():
         check_count(n, f"num_scheduled_tokens[{name_of(rid)}]")
-    return min(values)  # every value is a non-negative int (some of an int subclass)
+    smallest: int = min(values)  # every value is a non-negative int (some of an int subclass)
+    return smallest
 
 
 def check_worker_output(out: object, load_sent: Callable[[str], bool | None], store_event_counter: int,

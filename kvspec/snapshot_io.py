@@ -46,7 +46,7 @@ from functools import cache
 from importlib import resources
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvspec.errors import KVSpecError, SnapshotFormatError
 
@@ -144,8 +144,8 @@ def validate_snapshot(snapshot: object) -> dict[str, Any]:
     if issues:
         more = f" (and {len(issues) - 1} more problem(s))" if len(issues) > 1 else ""
         err = SnapshotFormatError(f"{issues[0]}{more}")
-        err.issues = issues  # type: ignore[attr-defined]
-        err.path = issues[0].path  # type: ignore[attr-defined]
+        err.issues = issues
+        err.path = issues[0].path
         raise err
     assert isinstance(snapshot, dict)
     return snapshot
@@ -527,9 +527,9 @@ class _Validator:
             return lambda v: isinstance(v, list) and arr_only(v)
         if types is not None:
             names = [types] if isinstance(types, str) else list(types)
-            for t in names:
-                _is_type(None, t)  # refuses an unknown type name now
-            pytypes = tuple(pt for t in names for pt in _PY_TYPES[t])
+            for name in names:
+                _is_type(None, name)  # refuses an unknown type name now
+            pytypes = tuple(pt for name in names for pt in _PY_TYPES[name])
             allow_bool = "boolean" in names
             if allow_bool:
                 checks.append(lambda v: isinstance(v, pytypes))
@@ -593,7 +593,7 @@ class _Validator:
         props = {k: self.ok(v) for k, v in schema.get("properties", {}).items()}
         patterns = [(re.compile(p).search, self.ok(s)) for p, s in schema.get("patternProperties", {}).items()]
         extra_schema = schema.get("additionalProperties", True)
-        extra: Pred | bool | None
+        extra: Pred | Literal[False] | None
         if extra_schema is False:
             extra = False
         elif isinstance(extra_schema, dict):
@@ -644,7 +644,7 @@ class _Validator:
                     continue
                 if extra is False:
                     return False
-                if extra is not None and not extra(sub):  # type: ignore[operator]
+                if extra is not None and not extra(sub):
                     return False
             return True
         return object_ok
@@ -851,7 +851,7 @@ class _Validator:
         names_ok = self.ok(names) if names is not None else None
         for key, sub in value.items():
             here = (*path, key)
-            if names_ok is not None and not names_ok(key):
+            if names is not None and names_ok is not None and not names_ok(key):
                 yield FormatIssue(_fmt_path(here), f"invalid key {_show(key)}: expected {self.noun(names)}")
                 continue
             matched = False

@@ -28,6 +28,7 @@ operation without changing anything. Same config, same ``rng`` state, same trace
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -84,7 +85,8 @@ class _Generator:
             weights["finish"] = 1.5
         weights["reset"] = 0.15
         kind = self.rng.choices(list(weights), list(weights.values()))[0]
-        return getattr(self, f"_{kind}")(eng)
+        make_op: Callable[[Any], dict[str, Any]] = getattr(self, f"_{kind}")
+        return make_op(eng)
 
     def _add(self, eng: Any) -> dict[str, Any]:
         rng, B = self.rng, self.config.block_size

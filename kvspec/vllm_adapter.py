@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, overload
 
 from kvspec.errors import (
     ConfigError,
@@ -91,6 +91,14 @@ def key_to_bytes(key: Key) -> bytes:
     return hash_to_bytes(key[0]) + int(key[1]).to_bytes(_GROUP_ID_BYTES, "big")
 
 
+@overload
+def key_from_bytes(raw: bytes) -> Key: ...
+@overload
+def key_from_bytes(raw: None) -> None: ...
+@overload
+def key_from_bytes(raw: bytes | None) -> Key | None: ...
+
+
 def key_from_bytes(raw: bytes | None) -> Key | None:
     if raw is None:
         return None
@@ -98,7 +106,7 @@ def key_from_bytes(raw: bytes | None) -> Key | None:
 
 
 def _key_text(raw: bytes) -> str:
-    h, g = key_from_bytes(raw)  # type: ignore[misc]
+    h, g = key_from_bytes(raw)
     return f"{h}:{g}"
 
 
@@ -442,8 +450,9 @@ class VllmTarget:
     def _scheduler_output(self, out: SchedulerOutput) -> Any:
         v = self._v
 
-        def groups(ids: BlockIds) -> tuple[list[int], ...]:
-            return tuple(None if g is None else list(g) for g in ids)  # type: ignore[misc]
+        def groups(ids: tuple[list[int] | None, ...]) -> tuple[list[int] | None, ...]:
+            """A block table as vLLM objects hold it (a group may be None, as the input checks allow)."""
+            return tuple(None if g is None else list(g) for g in ids)
 
         new = [
             v.NewRequestData(req_id=nr.req_id, prompt_token_ids=None, mm_features=[], sampling_params=None,

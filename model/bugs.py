@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 
-from kvspec.interfaces import OffloadConfig, SchedulerOutput
+from kvspec.interfaces import KVConnectorOutput, OffloadConfig, RequestView, SchedulerOutput
 from kvspec.model.block_pool import BlockPool
 from kvspec.model.hashing import BlockKey
 from kvspec.model.repair import RepairScheduler
@@ -41,6 +41,7 @@ class InFlightReoffload(OffloadScheduler):
         kind = super()._classify(gid)
         if kind == IN_FLIGHT:
             key = self.gpu_pool.block_hash[gid]
+            assert key is not None, "IN_FLIGHT: classify_store_candidate ranks not-hashed first"
             return "already_cached" if self.cpu_pool.get_one_block(key) is not None else "ready"
         return kind
 
@@ -59,7 +60,7 @@ class StampedUnregistered(OffloadScheduler):
 class PinLeakOnRetry(OffloadScheduler):
     """A new lookup forgets (instead of releasing) the stale Phase-A pin of an earlier attempt."""
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):  # type: ignore[no-untyped-def]
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
         self.pending_cpu_hits.pop(request.request_id, None)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -67,7 +68,7 @@ class PinLeakOnRetry(OffloadScheduler):
 class WorldSizeIgnored(OffloadScheduler):
     """Store events complete on the first worker report, whatever the world size."""
 
-    def update_connector_output(self, connector_output):  # type: ignore[no-untyped-def]
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         events = connector_output.completed_store_events
         connector_output.completed_store_events = {e: self.config.world_size for e in events}
         try:
@@ -140,7 +141,7 @@ class RepairDedupByGpuId(RepairScheduler):
 class RepairNoFinishFlush(RepairScheduler):
     """#41704: blocks confirmed in the final step are never stored (no finish flush)."""
 
-    def _queue_finished_eager_store(self, request, block_ids):  # type: ignore[no-untyped-def]
+    def _queue_finished_eager_store(self, request: RequestView, block_ids: list[list[int]]) -> None:
         return None
 
 

@@ -18,18 +18,23 @@ Cost: O(hashes x groups) per pass; passes are bounded by the number of spec grou
 """
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvspec.interfaces import KVGroup
 from kvspec.model.block_pool import NULL_BLOCK
-from kvspec.model.hashing import BlockHash
+
+_Key = TypeVar("_Key")
+_Key_contra = TypeVar("_Key_contra", contravariant=True)
 
 
-class CachedBlockLookup(Protocol):
-    def get_cached_block(self, block_hash: str, group_ids: list[int]) -> list[int] | None: ...
+class CachedBlockLookup(Protocol[_Key_contra]):
+    """A pool keyed like ``hashes``: by block hash (``BlockPool``), or by position (the
+    implementation's gathered lookups, ``kvspec.impl.hit_search``)."""
+
+    def get_cached_block(self, block_hash: _Key_contra, group_ids: list[int]) -> list[int] | None: ...
 
 
-def full_attention_hit(pool: CachedBlockLookup, hashes: Sequence[BlockHash], max_blocks: int,
+def full_attention_hit(pool: CachedBlockLookup[_Key], hashes: Sequence[_Key], max_blocks: int,
                        gids: list[int]) -> list[list[int]]:
     """Consecutive hits from index 0, at most ``max_blocks``."""
     hits: list[list[int]] = [[] for _ in gids]
@@ -42,7 +47,7 @@ def full_attention_hit(pool: CachedBlockLookup, hashes: Sequence[BlockHash], max
     return hits
 
 
-def sliding_window_hit(pool: CachedBlockLookup, hashes: Sequence[BlockHash], max_blocks: int,
+def sliding_window_hit(pool: CachedBlockLookup[_Key], hashes: Sequence[_Key], max_blocks: int,
                        gids: list[int], window: int, block_size: int) -> list[list[int]]:
     """Rightmost run of ``cdiv(window-1, bs)`` hits, null placeholders before it."""
     need = -(-(window - 1) // block_size)
@@ -62,7 +67,7 @@ def sliding_window_hit(pool: CachedBlockLookup, hashes: Sequence[BlockHash], max
     return [h[:run] for h in hits]
 
 
-def find_longest_cache_hit(pool: CachedBlockLookup, hashes: Sequence[BlockHash], max_length: int,
+def find_longest_cache_hit(pool: CachedBlockLookup[_Key], hashes: Sequence[_Key], max_length: int,
                            groups: Sequence[KVGroup], block_size: int) -> tuple[list[list[int]], int]:
     """(blocks per group, hit length in tokens) for ``hashes`` capped at ``max_length`` tokens."""
     spec_groups: list[tuple[KVGroup, list[int]]] = []

@@ -203,33 +203,38 @@ class RepairScheduler(OffloadScheduler):
             for p in range(st.num_stored_blocks[g], self._ready_blocks(st, ids)):
                 self.visits_last_plan += 1
                 b = self._owned_block(st, ids, g, p)
-                kind = NOT_HASHED if b is None else self._classify_key(b)
-                if kind == READY and self.gpu_pool.block_hash[b] in keys:
+                key = None if b is None else self.gpu_pool.block_hash[b]
+                if b is None or key is None:  # not owned here, or NOT_HASHED: skipped
+                    advance[g] += 1
+                    continue
+                kind = self._classify_key(b)
+                if kind == READY and key in keys:
                     kind = IN_FLIGHT
                 free = self.cpu_pool.get_num_free_blocks()
                 if kind == READY and len(selected) >= free:
                     break
-                if kind == ALREADY_CACHED and self._pin_would_starve(b, len(selected), free):
+                if kind == ALREADY_CACHED and self._pin_would_starve(key, len(selected), free):
                     break
                 advance[g] += 1
-                if b is None or kind == NOT_HASHED:
+                if kind == NOT_HASHED:
                     continue
-                key = self.gpu_pool.block_hash[b]
                 owners = self.owners.setdefault(key, {})
                 if (rid, g, p) not in owners:
                     owners[(rid, g, p)] = None
                     self.owned_keys.setdefault(rid, []).append(key)
                 if kind == ALREADY_CACHED:
                     self._judged_cached.add(key)
-                    self._protect_cached(self.cpu_pool.get_one_block(key))
+                    cb = self.cpu_pool.get_one_block(key)
+                    assert cb is not None, "ALREADY_CACHED: the CPU pool lists the key"
+                    self._protect_cached(cb)
                 elif kind == READY:
                     selected.append(b)
                     keys.add(key)
         return selected, advance
 
-    def _pin_would_starve(self, gid: int, n_selected: int, free: int) -> bool:
+    def _pin_would_starve(self, key: BlockKey, n_selected: int, free: int) -> bool:
         """Out of space for R5: pinning a free cached entry must leave room for the selection."""
-        cb = self.cpu_pool.get_one_block(self.gpu_pool.block_hash[gid])
+        cb = self.cpu_pool.get_one_block(key)
         return cb in self.cpu_pool.free_queue and free - 1 < n_selected
 
     def _protect_cached(self, cb: int) -> None:
@@ -296,6 +301,7 @@ class RepairScheduler(OffloadScheduler):
         """R7: up to ``n`` acceptable victims, from (a) the head, (b) retired keys, (c) a
         bounded refreshing walk. Refreshed entries stay pinned until the step ends."""
         victims: list[int] = []
+        cb: int | None
         for cb in self.cpu_pool.free_queue:  # (a)
             if len(victims) >= n:
                 return victims
@@ -362,6 +368,7 @@ class RepairScheduler(OffloadScheduler):
         super()._mark_in_flight(gpu_ids)
         for g in gpu_ids:
             key = self.gpu_pool.block_hash[g]
+            assert key is not None, "stores are planned for hashed blocks only"
             self.in_flight_keys[key] = self.in_flight_keys.get(key, 0) + 1
 
     def _release_held(self) -> None:

@@ -42,7 +42,7 @@ override the hooks named ``_select_*``, ``_advance_cursors``, ``_plan_*`` and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvspec.errors import InvalidOperationError
 from kvspec.interfaces import (
@@ -67,7 +67,8 @@ from kvspec.model.rules import ALREADY_CACHED as ALREADY_CACHED  # the store-can
 from kvspec.model.rules import IN_FLIGHT as IN_FLIGHT
 from kvspec.model.rules import NOT_HASHED as NOT_HASHED
 from kvspec.model.rules import NULL as NULL
-from kvspec.model.rules import READY, classify_store_candidate, ready_blocks, scan_group
+from kvspec.model.rules import READY as READY
+from kvspec.model.rules import classify_store_candidate, ready_blocks, scan_group
 from kvspec.snapshot import Transfer as Transfer_
 from kvspec.snapshot import scheduler_section
 
@@ -366,7 +367,7 @@ class OffloadScheduler:
             sources = [self._store_source(st, g, i, ids[i]) for i in range(start, self._ready_blocks(st, ids))]
             picked, advance[g] = scan_group([gid is not None and self._classify(gid) == READY for gid in sources],
                                             len(selected), free)
-            selected += [sources[k] for k in picked]  # type: ignore[misc]  # picked sources are not None
+            selected += cast("list[int]", [sources[k] for k in picked])  # picked sources are not None
         return selected, advance
 
     # -- shared scan helpers --------------------------------------------------------------------

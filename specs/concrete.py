@@ -24,7 +24,7 @@ from typing import Any
 import z3
 
 from kvspec.interfaces import CachedRequestData, KVGroup, NewRequestData, OffloadConfig, SchedulerOutput
-from kvspec.model import make_scheduler
+from kvspec.model import RepairScheduler, SignalRescanScheduler, make_scheduler
 from kvspec.model.scheduler import OffloadScheduler, StoreState
 from kvspec.specs.encoding import ARRAYS, Group, Quant, State, Unrolled
 from kvspec.specs.transitions import Step, evict, plan_scan, repair_phase
@@ -93,7 +93,7 @@ def _concrete_state(st: Small) -> State:
 def _true(e: Any) -> bool:
     v = z3.simplify(e)
     assert z3.is_true(v) or z3.is_false(v), f"not concrete: {v}"
-    return z3.is_true(v)
+    return bool(z3.is_true(v))
 
 
 @functools.lru_cache(maxsize=64)
@@ -225,7 +225,7 @@ def repair_phase_admits(st: Small, room: bool, out: Outcome) -> bool:
     for g, i in cells:
         sv.add(step.restored[g](i) == ((g, i) in out.selected))
         sv.add(enc.v(step.post, g, "lost", i) == ((g, i) in out.lost))
-    return sv.check() == z3.sat
+    return bool(sv.check() == z3.sat)
 
 
 # -- the model side ----------------------------------------------------------------------------
@@ -253,6 +253,7 @@ def build_model(policy: str, st: Small) -> tuple[OffloadScheduler, dict[int, tup
     cfg = OffloadConfig(block_size=1, num_gpu_blocks=n_pos + 2, num_cpu_blocks=1 + n_cached + st.spare + 1,
                         groups=tuple(KVGroup() for _ in range(G)), policy=policy)
     sched = make_scheduler(cfg)
+    repair = sched if isinstance(sched, RepairScheduler) else None  # set exactly when policy == "repair"
     gpu, cpu = sched.gpu_pool, sched.cpu_pool
     length = max((len(ps) for ps in st.groups), default=0)
     hashes = [f"h{i}" for i in range(length)]
@@ -276,15 +277,15 @@ def build_model(policy: str, st: Small) -> tuple[OffloadScheduler, dict[int, tup
             gpu.insert_block_hash(key, b)
             if p.infl:
                 sched.in_flight_store_gpu_blocks.add(b)
-                if policy == "repair":
-                    sched.in_flight_keys[key] = 1  # type: ignore[attr-defined]
+                if repair is not None:
+                    repair.in_flight_keys[key] = 1
             if p.cached:
                 c = cpu.get_new_blocks(1)[0]
                 cpu.insert_block_hash(key, c)
                 (cached_cpu if p.cfree else pinned_cpu).append(c)
-            if policy == "repair" and p.owned:
+            if repair is not None and p.owned:
                 if p.reg:
-                    sched.owners.setdefault(key, {})[("R", g, i)] = None  # type: ignore[attr-defined]
+                    repair.owners.setdefault(key, {})[("R", g, i)] = None
         ids.append(row)
     # one CPU block stays referenced (the pool's spare slot), the rest: cached copies, then spare free ones
     extra = cpu.get_new_blocks(1)
@@ -292,13 +293,13 @@ def build_model(policy: str, st: Small) -> tuple[OffloadScheduler, dict[int, tup
     cpu.free_blocks(spare)
     cpu.free_blocks(cached_cpu)
     del extra, pinned_cpu
-    if policy == "repair":
+    if repair is not None:
         for g, ps in enumerate(st.groups):
             for i, p in enumerate(ps):
                 if p.lost:
-                    sched.lost[("R", g, i)] = (hashes[i], g)  # type: ignore[attr-defined]
-    if policy == "signal-rescan":
-        sched.eviction_flag = st.flag  # type: ignore[attr-defined]
+                    repair.lost[("R", g, i)] = (hashes[i], g)
+    if isinstance(sched, SignalRescanScheduler):  # exactly when policy == "signal-rescan"
+        sched.eviction_flag = st.flag
     sched.reqs_to_store["R"] = StoreState(req, [list(r) for r in ids], list(st.cursors))
     assert cpu.get_num_free_blocks() == st.free
     return sched, where
@@ -315,10 +316,9 @@ def model_plan(policy: str, st: Small) -> Outcome:
     assert len(selected) == len(meta.store_gpu_blocks), "a position was selected twice"
     lost: set[tuple[int, int]] = set()
     reg: set[tuple[int, int]] = set()
-    if policy == "repair":
-        lost = {(g, i) for (_, g, i) in sched.lost}  # type: ignore[attr-defined]
-        owners_index = sched.owners  # type: ignore[attr-defined]
-        reg = {(g, i) for owners in owners_index.values() for (_, g, i) in owners}
+    if isinstance(sched, RepairScheduler):  # exactly when policy == "repair"
+        lost = {(g, i) for (_, g, i) in sched.lost}
+        reg = {(g, i) for owners in sched.owners.values() for (_, g, i) in owners}
     return Outcome(list(state.num_stored_blocks), selected, lost, reg)
 
 
@@ -455,4 +455,4 @@ def bookkeeping_agrees(policy: str, st: Small, what: str, got: Book) -> bool:
                 sv.add(enc.v(step.post, g, "infl", i) == ((g, i) in got.infl))
     if what == "finish":
         sv.add(step.post.active == got.active)
-    return sv.check() == z3.sat
+    return bool(sv.check() == z3.sat)

@@ -38,9 +38,8 @@ unrolled scan with the model's Python code on every small state
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import z3
 
@@ -48,6 +47,20 @@ ARRAYS = ("hashed", "owned", "cached", "cfree", "infl", "lost", "reg")
 POLICIES = ("baseline", "signal-rescan", "repair")
 
 _ids = itertools.count()
+
+
+class PosPred(Protocol):
+    """A predicate over one position (a z3 Int, or a Python int when unrolled). Callers bind
+    loop variables as defaults (``lambda p, g=g: ...``), which a ``Callable[[Any], ...]``
+    parameter would not accept from a lambda."""
+
+    def __call__(self, p: Any, /) -> z3.BoolRef: ...
+
+
+class CountStep(Protocol):
+    """``step(p, c)`` of a running count: whether position ``p`` counts, given the count ``c``."""
+
+    def __call__(self, p: Any, c: z3.ArithRef, /) -> z3.BoolRef: ...
 
 
 def _fresh(prefix: str) -> str:
@@ -91,9 +104,9 @@ class Scan:
 
     constraints: list[z3.BoolRef]
     cur: list[z3.ArithRef]
-    sel: list[Callable[[Any], z3.BoolRef]]  # position selected by the positional scan (Phase 1b)
-    rescan: list[Callable[[Any], z3.BoolRef]] = field(default_factory=list)  # Phase 1a selections
-    axioms: list[Callable[[Any], z3.BoolRef]] = field(default_factory=list)  # bodies of its ForAlls
+    sel: list[PosPred]  # position selected by the positional scan (Phase 1b)
+    rescan: list[PosPred] = field(default_factory=list)  # Phase 1a selections
+    axioms: list[PosPred] = field(default_factory=list)  # bodies of its ForAlls
 
     def ground(self, points: range) -> list[z3.BoolRef]:
         """Instances of the quantified constraints at ``points``: implied by them, so adding
@@ -110,10 +123,10 @@ class Encoding:
     def at(self, a: Any, p: Any) -> z3.BoolRef:
         return a[p]
 
-    def forall(self, body: Callable[[Any], z3.BoolRef]) -> z3.BoolRef:
+    def forall(self, body: PosPred) -> z3.BoolRef:
         raise NotImplementedError
 
-    def table(self, body: Callable[[Any], z3.BoolRef]) -> Any:
+    def table(self, body: PosPred) -> Any:
         raise NotImplementedError
 
     def array(self, name: str) -> Any:
@@ -187,11 +200,11 @@ class Quant(Encoding):
     def __init__(self, G: int = 1) -> None:
         self.G = G
 
-    def forall(self, body: Callable[[Any], z3.BoolRef]) -> z3.BoolRef:
+    def forall(self, body: PosPred) -> z3.BoolRef:
         p = z3.Int(_fresh("p"))
         return z3.ForAll([p], body(p))
 
-    def table(self, body: Callable[[Any], z3.BoolRef]) -> Any:
+    def table(self, body: PosPred) -> Any:
         p = z3.Int(_fresh("q"))
         return z3.Lambda([p], body(p))
 
@@ -199,7 +212,7 @@ class Quant(Encoding):
         return z3.Array(_fresh(name), z3.IntSort(), z3.BoolSort())
 
     def _count(self, tag: str, lo: z3.ArithRef, hi: z3.ArithRef, base: z3.ArithRef,
-               step: Callable[[Any, z3.ArithRef], z3.BoolRef], axioms: list[Callable[[Any], z3.BoolRef]]
+               step: CountStep, axioms: list[PosPred]
                ) -> tuple[z3.FuncDeclRef, list[z3.BoolRef]]:
         """A running count c over [lo, hi): c(lo) = base, c(p+1) = c(p) + [step(p, c(p))]."""
         c = z3.Function(_fresh(tag), z3.IntSort(), z3.IntSort())
@@ -215,14 +228,14 @@ class Quant(Encoding):
              rescan: z3.BoolRef) -> Scan:
         cons: list[z3.BoolRef] = []
         curs: list[z3.ArithRef] = []
-        sels: list[Callable[[Any], z3.BoolRef]] = []
-        resels: list[Callable[[Any], z3.BoolRef]] = []
-        axioms: list[Callable[[Any], z3.BoolRef]] = []
+        sels: list[PosPred] = []
+        resels: list[PosPred] = []
+        axioms: list[PosPred] = []
         base: z3.ArithRef = z3.IntVal(0)
         for g in range(self.G):
             cur, ready = s.groups[g].cur, self.ready(s, g)
             rdy = (lambda g_: lambda p: self.ready_to_store(policy, s, g_, p))(g)
-            pin = (lambda g_: lambda p: self.pins(policy, s, g_, p))(g)
+            pin: PosPred = (lambda g_: lambda p: self.pins(policy, s, g_, p))(g)
             # signal-rescan / baseline stop at the group boundary once the free count is used up
             scanned = scheduled if policy == "repair" else z3.And(scheduled, base < free)
             # Phase 1a (signal-rescan): [0, min(cur, ready)), never moves the cursor
@@ -249,7 +262,9 @@ class Quant(Encoding):
             c2 = z3.Int(_fresh("cur'"))
             # out of space: a READY position (or, repair, a pin that would starve the selection)
             # meets a used-up free count; the cursor stops there, not advanced
-            stop = (lambda cb_, r, q: lambda p: z3.And(z3.Or(r(p), q(p)), cb_(p) >= free))(cb, rdy, pin)
+            def stop(p: Any, cb: Any = cb, rdy: PosPred = rdy, pin: PosPred = pin) -> z3.BoolRef:
+                return z3.And(z3.Or(rdy(p), pin(p)), cb(p) >= free)
+
             p = z3.Int(_fresh("p"))
 
             def no_stop(p: Any, cur: Any = cur, c2: Any = c2, stop: Any = stop,
@@ -279,10 +294,10 @@ class Unrolled(Encoding):
         self.G = G
         self.M = M
 
-    def forall(self, body: Callable[[Any], z3.BoolRef]) -> z3.BoolRef:
+    def forall(self, body: PosPred) -> z3.BoolRef:
         return z3.And([body(i) for i in range(self.M)] or [z3.BoolVal(True)])
 
-    def table(self, body: Callable[[Any], z3.BoolRef]) -> Any:
+    def table(self, body: PosPred) -> Any:
         return [body(i) for i in range(self.M)]
 
     def array(self, name: str) -> Any:
@@ -294,8 +309,8 @@ class Unrolled(Encoding):
     def scan(self, policy: str, s: State, free: z3.ArithRef, scheduled: z3.BoolRef,
              rescan: z3.BoolRef) -> Scan:
         curs: list[z3.ArithRef] = []
-        sels: list[Callable[[Any], z3.BoolRef]] = []
-        resels: list[Callable[[Any], z3.BoolRef]] = []
+        sels: list[PosPred] = []
+        resels: list[PosPred] = []
         count: z3.ArithRef = z3.IntVal(0)  # CPU blocks consumed so far (selections, plus pins in repair)
         for g in range(self.G):
             cur, ready = s.groups[g].cur, self.ready(s, g)

@@ -24,7 +24,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import z3
 
@@ -90,12 +90,19 @@ class Result:
                 "seconds": round(self.seconds, 3), "ok": self.ok, "detail": self.detail}
 
 
+class CheckFn(Protocol):
+    """An obligation's check, called with no arguments (the catalogue's lambdas bind their loop
+    variables as defaults) -> (result, detail, model values)."""
+
+    def __call__(self) -> tuple[str, str, dict[str, Any]]: ...
+
+
 @dataclass(frozen=True)
 class Obligation:
     name: str
     policy: str
     kind: str
-    check: Callable[[], tuple[str, str, dict[str, Any]]]  # -> (result, detail, model values)
+    check: CheckFn  # -> (result, detail, model values)
     statement: str = ""
 
     def run(self) -> Result:

@@ -18,7 +18,7 @@ from typing import Any
 
 import z3
 
-from kvspec.specs.encoding import Encoding, Scan, State, _fresh
+from kvspec.specs.encoding import Encoding, PosPred, Scan, State, _fresh
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Step:
     post: State
     constraints: list[z3.BoolRef]
     scan: Scan | None = None
-    restored: list[Callable[[Any], z3.BoolRef]] = field(default_factory=list)
+    restored: list[PosPred] = field(default_factory=list)
     inputs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -73,7 +73,7 @@ def repair_phase(enc: Encoding, policy: str, s: State) -> Step:
     room = z3.Bool(_fresh("room"))
     post = _keep(s)
     cons: list[z3.BoolRef] = []
-    restored = []
+    restored: list[PosPred] = []
     for g in range(enc.G):
         rest = _havoc(enc, f"rest{g}")
 

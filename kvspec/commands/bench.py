@@ -38,6 +38,7 @@ from typing import Any
 
 from kvspec.errors import ConfigError, echo
 from kvspec.interfaces import (
+    BlockIds,
     CachedRequestData,
     KVConnectorOutput,
     NewRequestData,
@@ -203,7 +204,9 @@ class Driver:
     def step(self) -> tuple[float, float]:
         """One step: plan (timed), advance tokens, report the previous store event (timed)."""
         B = self.B
-        ids, new_ids, sched = [], [], {}
+        ids: list[str] = []
+        new_ids: list[BlockIds | None] = []
+        sched: dict[str, int] = {}
         if self.w == "decode":
             for r in self.reqs:
                 ids.append(r.request_id)
@@ -300,7 +303,7 @@ def measure(workload: str, scale: Scale, targets: list[str], policy: str, runs: 
             plans[name].append(statistics.median(pl))
             completes[name].append(statistics.median(co))
             del target, d
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in targets:
         rows.append({
             "workload": workload, "requests": scale.requests, "blocks_per_request": scale.blocks_per_request,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from typing import Any
 
 from kvspec.commands.fuzz import budget_seconds
@@ -49,7 +50,7 @@ def hunt(budget: float, seed: int, names: list[str] | None = None, out: str | No
                 save_trace(trace, out, f"{name}.jsonl" if trace.finding and trace.finding["kind"] == VIOLATION
                            else finding_name(f"bug:{name}", policy, "claims", trace))
 
-        res = fuzz(lambda cfg, n=name: make_bug_target(n, cfg), bug.policy, budget, seed,
+        res = fuzz(partial(make_bug_target, name), bug.policy, budget, seed,
                    target_name=f"bug:{name}", bug=name, on_finding=keep)
         kind = res.kind
         o = res.outcome

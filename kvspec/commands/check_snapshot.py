@@ -57,7 +57,7 @@ def _claims_without_engine(policy: str) -> oracles.Oracle:
     intersection over representative configurations."""
     from kvspec.interfaces import KVGroup, OffloadConfig
 
-    candidates = [
+    candidates: list[dict[str, Any]] = [
         {"policy": policy},
         {"policy": policy, "groups": (KVGroup(), KVGroup("sliding", 32))},
         {"policy": policy, "lazy_offload": True},
@@ -66,7 +66,7 @@ def _claims_without_engine(policy: str) -> oracles.Oracle:
     common: set[str] | None = None
     for kwargs in candidates:
         try:
-            cfg = OffloadConfig(**kwargs)  # type: ignore[arg-type]
+            cfg = OffloadConfig(**kwargs)
             cfg.validate()
         except KVSpecError:  # e.g. lazy offload is baseline-only
             continue

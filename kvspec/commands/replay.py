@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from kvspec import oracle as oracles
 from kvspec import trace as trace_io
@@ -78,7 +79,7 @@ def header_target(target: str) -> str:
     return name
 
 
-def _matches(recorded: dict | None, out: Outcome) -> bool | None:
+def _matches(recorded: dict[str, Any] | None, out: Outcome) -> bool | None:
     if recorded is None:
         return None
     found = out.finding()

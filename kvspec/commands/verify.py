@@ -15,8 +15,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvspec.commands.fuzz import budget_seconds
 from kvspec.errors import ConfigError
@@ -38,7 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _stage(rows: list[dict[str, Any]], name: str, fn: Callable[[], tuple[bool | None, str]], quiet: bool) -> None:
+class _Check(Protocol):
+    """A stage's check, called with no arguments (the lambdas below bind their loop variable as a default)."""
+
+    def __call__(self) -> tuple[bool | None, str]: ...
+
+
+def _stage(rows: list[dict[str, Any]], name: str, fn: _Check, quiet: bool) -> None:
     if not quiet:
         print(f"[verify] {name} ...", file=sys.stderr)
     t = time.monotonic()
@@ -61,7 +66,7 @@ def _campaign(policy: str, factory: Any, reference: Any, budget: float, seed: in
         ops += out.ops_run
         if out.failed:
             return False, f"{traces} traces; {out.describe()}"
-    return True, f"{traces} traces, {ops} operations, no violation"
+    return True, f"{traces} traces, {ops} operations, no finding (oracle: claims of {policy})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     def bugs() -> tuple[bool, str]:
         found, _ = hunt(args.bug_budget, 1, quiet=True)
         missed = [r["bug"] for r in found if not r["found"]]
-        return not missed, f"{len(found) - len(missed)}/{len(found)} known bugs found" + (
+        return not missed, f"{len(found) - len(missed)}/{len(found)} known bugs found as violations" + (
             f"; missed {', '.join(missed)}" if missed else "")
 
     _stage(rows, "known-bug catalogue", bugs, quiet)
