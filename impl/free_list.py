@@ -41,9 +41,6 @@ class FreeList:
     def contains(self, block: int) -> bool:
         return bool(self.pos[block] >= 0)
 
-    def queued_mask(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.pos[ids] >= 0
-
     # -- reading --------------------------------------------------------------------------
 
     def _first_live(self, start: int, n: int) -> tuple[torch.Tensor, int]:

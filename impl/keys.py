@@ -103,9 +103,6 @@ class KeyTable:
         k = self.key(kid)
         return f"{k[0]}:{k[1]}"
 
-    def hash_text(self, kid: int) -> str:
-        return self.key(kid)[0]
-
     def seeds(self, kids: torch.Tensor) -> torch.Tensor:
         """Seeds of the hashes of ``kids`` (vectorized)."""
         n = len(self._seeds)

@@ -151,6 +151,3 @@ class PayloadStore:
         copy_blocks(self.gpu, gpu_ids, self.cpu, cpu_ids.cpu())
         self.loaded[gpu_ids] = True
         self.bytes_copied += gpu_ids.numel() * self.gpu[0].numel() * self.gpu.element_size()
-
-    def memory_bytes_per_block(self) -> int:
-        return self.gpu[0].numel() * self.gpu.element_size()

@@ -33,7 +33,6 @@ class PrefixIndex:
         self.last = torch.full((64,), -1, dtype=torch.int64, device=device)
         self.stamp = torch.zeros(64, dtype=torch.int64, device=device)
         self.clock = 0
-        self.num_keys = 0
 
     def ensure(self, key_capacity: int) -> None:
         """Make room for key ids below ``key_capacity``. The last slot is never a key's, so
@@ -95,7 +94,6 @@ class PrefixIndex:
             self.first[kid] = block
             self.stamp[kid] = self.clock
             self.clock += 1
-            self.num_keys += 1
         else:
             self.nxt[tail] = block
             self.prv[block] = tail
@@ -132,7 +130,6 @@ class PrefixIndex:
             rank = torch.argsort(torch.argsort(first_seen))
             self.stamp[new_k] = self.clock + rank
             self.clock += new_k.numel()
-            self.num_keys += new_k.numel()
         self.last[sk[end]] = sb[end]
 
     def remove_many(self, blocks: torch.Tensor, kids: torch.Tensor) -> None:
@@ -143,7 +140,6 @@ class PrefixIndex:
         if bool(((prv < 0) & (nxt < 0)).all()):  # every block alone under its key
             self.first[kids] = -1
             self.last[kids] = -1
-            self.num_keys -= blocks.numel()
             return
         for b, k in zip(blocks.tolist(), kids.tolist(), strict=True):
             self.remove(b, k)
@@ -158,8 +154,6 @@ class PrefixIndex:
             self.prv[n] = p
         else:
             self.last[kid] = p
-        if p < 0 and n < 0:
-            self.num_keys -= 1
         self.prv[block] = -1
         self.nxt[block] = -1
 
@@ -168,4 +162,3 @@ class PrefixIndex:
         self.last.fill_(-1)
         self.nxt.fill_(-1)
         self.prv.fill_(-1)
-        self.num_keys = 0

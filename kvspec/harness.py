@@ -374,6 +374,7 @@ class FuzzResult:
     seconds: float
     traces: int
     ops: int
+    search_seconds: float = 0.0  # until the finding (or the whole run when none)
     oracle: str = ""
     outcome: Outcome | None = None
     trace: Trace | None = None
@@ -388,7 +389,8 @@ class FuzzResult:
 
     @property
     def ops_per_second(self) -> float:
-        return self.ops / self.seconds if self.seconds > 0 else 0.0
+        """Checked operations per second of searching (shrinking excluded)."""
+        return self.ops / self.search_seconds if self.search_seconds > 0 else 0.0
 
 
 FindingSink = Callable[[Trace, str], None]  # (trace, "unshrunk" | "shrunk")
@@ -421,6 +423,7 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
             if not out.failed:
                 continue
             res.found, res.outcome = True, out
+            res.search_seconds = time.monotonic() - start
             res.unshrunk = _finding_trace(cfg, trace_ops, target_name, seed, orc, out)
             if on_finding is not None:
                 on_finding(res.unshrunk, "unshrunk")
@@ -437,6 +440,8 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
     except KeyboardInterrupt:
         res.interrupted = True
     res.seconds = time.monotonic() - start
+    if not res.found:
+        res.search_seconds = res.seconds
     return res
 
 

@@ -38,7 +38,3 @@ def key_str(key: BlockKey) -> str:
     """Canonical text of a key in snapshots: ``"<hash>:<group>"``."""
     return f"{key[0]}:{key[1]}"
 
-
-def parse_key(text: str) -> BlockKey:
-    h, _, g = text.rpartition(":")
-    return (h, int(g))
