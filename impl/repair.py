@@ -38,6 +38,7 @@ from kvspec.impl.convert import int_tensor
 from kvspec.impl.planner import Layout, layout
 from kvspec.impl.policies import BaselinePolicy
 from kvspec.interfaces import RequestView, SchedulerOutput
+from kvspec.model.rules import window_floor
 
 if TYPE_CHECKING:
     from kvspec.impl.scheduler import StepBatch, TensorOffloadScheduler
@@ -81,7 +82,7 @@ class RepairPolicy(BaselinePolicy):
         if p >= len(req.block_hashes):
             return None
         w = self.windows[g]
-        if w and p < max(0, req.num_computed_tokens - w + 1) // s.B:
+        if w and p < window_floor(req.num_computed_tokens, w, s.B):
             return None
         if b == 0:
             return None
@@ -174,7 +175,7 @@ class RepairPolicy(BaselinePolicy):
             return
         s = self.s
         req = s.stores.request[slot]
-        floor = max(0, req.num_computed_tokens - w + 1) // s.B
+        floor = window_floor(req.num_computed_tokens, w, s.B)
         floor = min(floor, int(s.stores.cursor[slot, g]), len(req.block_hashes))
         start = self.window_floor.get((rid, g), 0)
         if floor > start:
@@ -221,7 +222,7 @@ class RepairPolicy(BaselinePolicy):
         want = [hids[p] * G + g if p < nh else -2 for g, p in zip(cg, cp, strict=True)]
         for i, (g, p) in enumerate(zip(cg, cp, strict=True)):
             w = self.windows[g]
-            if w and p < max(0, req.num_computed_tokens - w + 1) // s.B:
+            if w and p < window_floor(req.num_computed_tokens, w, s.B):
                 want[i] = -2
         bt = int_tensor(cb, s.device)
         gkey = s.gpu_pool.key[bt]
@@ -321,6 +322,7 @@ class RepairPolicy(BaselinePolicy):
             if self.sliding_groups:
                 comp = int_tensor([r.num_computed_tokens for r in reqs], dev)
                 w = int_tensor(self.windows, dev)[g_t]
+                # rules.window_floor, batched (the conformance harness holds the result to the model)
                 floor = torch.div((comp[occ] - w + 1).clamp(min=0), B, rounding_mode="floor")
                 owned &= (w == 0) | (p_t >= floor)
             okey = torch.where(owned, gkey, -1)
@@ -350,7 +352,7 @@ class RepairPolicy(BaselinePolicy):
             floors: list[tuple[int, int]] = []
             for g in self.sliding_groups:
                 req = reqs[i]
-                fl = max(0, req.num_computed_tokens - self.windows[g] + 1) // B
+                fl = window_floor(req.num_computed_tokens, self.windows[g], B)
                 fl = min(fl, cur_l[i][g], len(req.block_hashes))
                 start = self.window_floor.get((rid, g), 0)
                 if fl > start:

@@ -61,6 +61,7 @@ from kvspec.model.block_pool import NULL_BLOCK
 from kvspec.model.hashing import BlockHash, block_hashes, chain_hash
 from kvspec.model.hit_search import find_longest_cache_hit
 from kvspec.model.invariants import observe_plan
+from kvspec.model.rules import window_floor
 
 WAITING, RUNNING, WAITING_FOR_REMOTE, LOADED, PREEMPTED, FINISHED = (
     "waiting", "running", "waiting_for_remote_kvs", "loaded", "preempted", "finished",
@@ -355,7 +356,7 @@ class Engine:
         spec = self.config.groups[g]
         if spec.kind != "sliding":
             return 0
-        return max(0, num_computed_tokens - spec.sliding_window + 1) // self.B
+        return window_floor(num_computed_tokens, spec.sliding_window, self.B)
 
     def _remove_skipped_blocks(self, r: EngineRequest) -> None:
         """Sliding-window positions that left the window become null and are freed."""

@@ -65,6 +65,7 @@ from typing import Any
 from kvspec.interfaces import OffloadConfig, RequestView, SchedulerOutput
 from kvspec.model.block_pool import NULL_BLOCK, BlockPool
 from kvspec.model.hashing import BlockKey, key_str
+from kvspec.model.rules import window_floor
 from kvspec.model.scheduler import (
     ALREADY_CACHED,
     IN_FLIGHT,
@@ -115,7 +116,7 @@ class RepairScheduler(OffloadScheduler):
         spec = self.config.groups[g]
         if spec.kind == "sliding":
             computed = st.request.num_computed_tokens
-            if p < max(0, computed - spec.sliding_window + 1) // self.block_size:
+            if p < window_floor(computed, spec.sliding_window, self.block_size):
                 return None
         b = ids[p]
         if b == NULL_BLOCK or self.gpu_pool.block_hash[b] != (hashes[p], g) or self.gpu_pool.ref_cnt[b] < 1:
@@ -174,7 +175,7 @@ class RepairScheduler(OffloadScheduler):
         if spec.kind != "sliding":
             return
         rid = st.request.request_id
-        floor = max(0, st.request.num_computed_tokens - spec.sliding_window + 1) // self.block_size
+        floor = window_floor(st.request.num_computed_tokens, spec.sliding_window, self.block_size)
         floor = min(floor, st.num_stored_blocks[g], len(st.request.block_hashes))
         for p in range(self.window_floor.get((rid, g), 0), floor):
             self._retire((st.request.block_hashes[p], g))
