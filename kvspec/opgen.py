@@ -27,7 +27,7 @@ def random_config_kwargs(rng: random.Random) -> dict[str, Any]:
 
 
 def next_op(engine: Engine, rng: random.Random) -> dict[str, Any]:
-    reqs = engine.requests
+    reqs = engine.live  # finished requests cannot be named by any operation
     B = engine.B
     waiting = [r for r, q in reqs.items() if q.status in (WAITING, PREEMPTED)]
     running = [r for r, q in reqs.items() if q.status in (RUNNING, LOADED)]
@@ -49,7 +49,7 @@ def next_op(engine: Engine, rng: random.Random) -> dict[str, Any]:
             kind = name
             break
     if kind == "add":
-        n = len(reqs)
+        n = len(engine.requests)
         blocks = rng.randint(1, 6)
         return {"op": "add", "rid": f"r{n}", "family": rng.randrange(FAMILIES),
                 "prompt_len": blocks * B + rng.choice([0, 1, B // 2]), "max_tokens": rng.choice([1, 2, B, 2 * B])}

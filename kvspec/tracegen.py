@@ -101,8 +101,8 @@ class _Generator:
 
     def _step(self, eng: Any) -> dict[str, Any]:
         rng = self.rng
-        waiting = [rid for rid, r in eng.requests.items() if r.status in ("waiting", "preempted")]
-        running = [rid for rid, r in eng.requests.items() if r.status in ("running", "loaded")]
+        waiting = [rid for rid, r in eng.live.items() if r.status in ("waiting", "preempted")]
+        running = [rid for rid, r in eng.live.items() if r.status in ("running", "loaded")]
         preempt = [rid for rid in running if rng.random() < 0.08]
         admissible = waiting + preempt
         admit = [rid for rid in admissible if rng.random() < 0.7]

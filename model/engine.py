@@ -134,7 +134,8 @@ class Engine:
         self.gpu = target.gpu_pool
         self.B = self.config.block_size
         self.G = self.config.num_groups
-        self.requests: dict[str, EngineRequest] = {}
+        self.requests: dict[str, EngineRequest] = {}  # every request ever added, in creation order
+        self.live: dict[str, EngineRequest] = {}  # those not finished, or still holding blocks for a load
         self.gpu_data: list[BlockHash | None] = [None] * self.config.num_gpu_blocks
         self.cpu_data: list[BlockHash | None] = [None] * self.config.num_cpu_blocks
         self.store_transfers: dict[int, tuple[list[int], list[int]]] = {}
@@ -196,8 +197,8 @@ class Engine:
         check_count(max_tokens, "max_tokens", MAX_PROMPT_TOKENS)
         if prompt_len == 0:
             raise InvalidCountError("prompt_len must be >= 1")
-        self.requests[rid] = EngineRequest(rid, family, prompt_tokens(family, prompt_len), max_tokens,
-                                           self.B, self.G, serial=len(self.requests))
+        self.requests[rid] = self.live[rid] = EngineRequest(
+            rid, family, prompt_tokens(family, prompt_len), max_tokens, self.B, self.G, serial=len(self.requests))
 
     def op_step(self, admit: list[str] | None = None, chunk: int = 64, preempt: list[str] | None = None,
                 resume: str = "mrv1") -> ConnectorMetadata:
@@ -222,9 +223,9 @@ class Engine:
         scheduled: dict[str, int] = {}
         for rid in preempt:
             self._preempt(self.requests[rid])
-        for r in [r for r in self.requests.values() if r.status == RUNNING]:
+        for r in [r for r in self.live.values() if r.status == RUNNING]:
             self._schedule_running(r, chunk, out, scheduled)
-        for r in [r for r in self.requests.values() if r.status == LOADED]:
+        for r in [r for r in self.live.values() if r.status == LOADED]:
             self._schedule_loaded(r, chunk, out, scheduled)
         for rid in admit:
             if not self._admit(self.requests[rid], chunk, resume, out, scheduled):
@@ -286,6 +287,7 @@ class Engine:
         if r.free_after_load:
             self._free_table(r)
             r.free_after_load = False
+            del self.live[rid]
         elif r.status == WAITING_FOR_REMOTE:
             r.status = LOADED
 
@@ -309,6 +311,7 @@ class Engine:
             r.free_after_load = True
         else:
             self._free_table(r)
+            del self.live[rid]
         r.status = FINISHED
         self.finished_since_step.add(rid)
 
@@ -486,7 +489,7 @@ class Engine:
         block, or a finish flush's pinned block)."""
         confirmed: set[int] = set()
         held: set[int] = set()
-        for r in self.requests.values():
+        for r in self.live.values():
             ready = (r.num_computed_tokens - r.num_output_placeholders) // self.B
             for t in r.table:
                 held.update(t)
@@ -527,6 +530,7 @@ class Engine:
         named = _requests_named(snap["scheduler"]) | set(self.loads_shipped)
         if self.last_op == "finish" and self.last_finish is not None:
             named.add(self.last_finish["rid"])
+        shown = {**self.live, **{rid: self.requests[rid] for rid in named if rid in self.requests}}
         snap["engine"] = {
             "config": self.config.to_json(),
             "step": self.step_index,
@@ -540,8 +544,7 @@ class Engine:
                     "table": [list(t) for t in r.table],
                     "free_after_load": r.free_after_load,
                 }
-                for rid, r in self.requests.items()
-                if r.status != FINISHED or r.free_after_load or rid in named
+                for rid, r in sorted(shown.items(), key=lambda item: item[1].serial)
             },
             "gpu_data": list(self.gpu_data),
             "cpu_data": list(self.cpu_data),
