@@ -596,7 +596,7 @@ def make_state_machine(factory: TargetFactory, reference: TargetFactory | None =
         @rule(target=requests, family=st.integers(0, 2), blocks=st.integers(1, 6), extra=st.sampled_from([0, 1, 8]),
               max_tokens=st.sampled_from([1, 2, 16, 32]))
         def add(self, family: int, blocks: int, extra: int, max_tokens: int) -> str:
-            rid = f"r{len(self._live().requests)}"
+            rid = f"r{self._live().num_added}"
             self._apply({"op": "add", "rid": rid, "family": family, "prompt_len": blocks * 16 + extra,
                          "max_tokens": max_tokens})
             return rid

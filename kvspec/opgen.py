@@ -49,7 +49,7 @@ def next_op(engine: Engine, rng: random.Random) -> dict[str, Any]:
             kind = name
             break
     if kind == "add":
-        n = len(engine.requests)
+        n = engine.num_added
         blocks = rng.randint(1, 6)
         return {"op": "add", "rid": f"r{n}", "family": rng.randrange(FAMILIES),
                 "prompt_len": blocks * B + rng.choice([0, 1, B // 2]), "max_tokens": rng.choice([1, 2, B, 2 * B])}

@@ -136,6 +136,7 @@ class Engine:
         self.G = self.config.num_groups
         self.requests: dict[str, EngineRequest] = {}  # every request ever added, in creation order
         self.live: dict[str, EngineRequest] = {}  # those not finished, or still holding blocks for a load
+        self.retired: set[str] = set()  # finished requests nothing names any more (dropped from requests)
         self.gpu_data: list[BlockHash | None] = [None] * self.config.num_gpu_blocks
         self.cpu_data: list[BlockHash | None] = [None] * self.config.num_cpu_blocks
         self.store_transfers: dict[int, tuple[list[int], list[int]]] = {}
@@ -190,7 +191,7 @@ class Engine:
         if not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID:
             raise InvalidOperationError(f"request id must be a string of 1..{MAX_REQUEST_ID} characters, "
                                         f"got {echo(rid)}")
-        if rid in self.requests:
+        if rid in self.requests or rid in self.retired:
             raise InvalidOperationError(f"request {echo(rid)} already exists")
         check_count(family, "family")
         check_count(prompt_len, "prompt_len", MAX_PROMPT_TOKENS)
@@ -198,7 +199,7 @@ class Engine:
         if prompt_len == 0:
             raise InvalidCountError("prompt_len must be >= 1")
         self.requests[rid] = self.live[rid] = EngineRequest(
-            rid, family, prompt_tokens(family, prompt_len), max_tokens, self.B, self.G, serial=len(self.requests))
+            rid, family, prompt_tokens(family, prompt_len), max_tokens, self.B, self.G, serial=self.num_added)
 
     def op_step(self, admit: list[str] | None = None, chunk: int = 64, preempt: list[str] | None = None,
                 resume: str = "mrv1") -> ConnectorMetadata:
@@ -210,11 +211,11 @@ class Engine:
         if not isinstance(resume, str) or resume not in ("mrv1", "mrv2"):
             raise InvalidOperationError(f"resume must be 'mrv1' or 'mrv2', got {echo(resume)}")
         for rid in preempt:
-            if self._req(rid).status not in (RUNNING, LOADED):
-                raise InvalidOperationError(f"cannot preempt {rid}: it is {self.requests[rid].status}")
+            if (status := self._status(rid)) not in (RUNNING, LOADED):
+                raise InvalidOperationError(f"cannot preempt {rid}: it is {status}")
         for rid in admit:
-            if self._req(rid).status not in (WAITING, PREEMPTED) and rid not in preempt:
-                raise InvalidOperationError(f"cannot admit {rid}: it is {self.requests[rid].status}")
+            if (status := self._status(rid)) not in (WAITING, PREEMPTED) and rid not in preempt:
+                raise InvalidOperationError(f"cannot admit {rid}: it is {status}")
         if len(set(admit)) != len(admit) or len(set(preempt)) != len(preempt):
             raise InvalidOperationError("admit and preempt must not repeat a request")
 
@@ -293,9 +294,9 @@ class Engine:
 
     def op_finish(self, rid: str) -> None:
         """``rid`` stops or is aborted, in whatever phase it is."""
-        r = self._req(rid)
-        if r.status == FINISHED:
+        if self._status(rid) == FINISHED:
             raise InvalidOperationError(f"{rid} already finished")
+        r = self.requests[rid]
         self._remove_skipped_blocks(r)
         clipped = tuple(list(t[: -(-r.num_computed_tokens // self.B)]) for t in r.table)
         expected = self._flush_expectation(r, clipped)
@@ -334,12 +335,20 @@ class Engine:
                     keys.append(f"{r.block_hashes[p]}:{g}")
         return keys
 
+    @property
+    def num_added(self) -> int:
+        """Requests added so far (retired ones included)."""
+        return len(self.requests) + len(self.retired)
+
     # -- scheduling pieces -------------------------------------------------------------------
 
-    def _req(self, rid: object) -> EngineRequest:
+    def _status(self, rid: object) -> str:
+        """The status of request ``rid``; ``UnknownRequestError`` for an id never added."""
+        if isinstance(rid, str) and rid in self.retired:
+            return FINISHED
         if not isinstance(rid, str) or rid not in self.requests:
             raise UnknownRequestError(f"unknown request {echo(rid)}")
-        return self.requests[rid]
+        return self.requests[rid].status
 
     def _preempt(self, r: EngineRequest) -> None:
         self._free_table(r)
@@ -531,6 +540,9 @@ class Engine:
         if self.last_op == "finish" and self.last_finish is not None:
             named.add(self.last_finish["rid"])
         shown = {**self.live, **{rid: self.requests[rid] for rid in named if rid in self.requests}}
+        for rid in [rid for rid in self.requests if rid not in shown]:  # finished, and named by nothing:
+            del self.requests[rid]  # retired for good (no operation can name it again), so that the
+            self.retired.add(rid)   # engine's memory, like its snapshots, follows the live state
         snap["engine"] = {
             "config": self.config.to_json(),
             "step": self.step_index,

@@ -42,6 +42,7 @@ def test_t2_hole_is_reported_by_c1_with_request_and_position() -> None:
 
 def test_t2_same_prompt_gets_no_cpu_hit() -> None:
     e = _t2("baseline")
+    hashes = list(e.requests["R"].block_hashes)  # a finished request nothing names is retired
     e.op_finish("R")  # the flush scans [6, 6): nothing
     assert e.target.pending_finished_stores == []
     e.op_add("R2", family=1, prompt_len=97)
@@ -49,4 +50,4 @@ def test_t2_same_prompt_gets_no_cpu_hit() -> None:
     assert e.target.pending_cpu_hits == {}
     # H3..H6 are still on the CPU: the chain breaks at H1 only
     cached = {k.partition(":")[0] for k in e.snapshot()["cpu_pool"]["cached"]}
-    assert cached == set(e.requests["R"].block_hashes[2:6])
+    assert cached == set(hashes[2:6])
