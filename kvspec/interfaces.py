@@ -368,7 +368,7 @@ def check_block_ids(block_ids: object, num_groups: int, num_blocks: int, what: s
             continue
         for b in ids:
             if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:
-                raise InvalidBlockError(f"{what}: group {g} block id {b!r} out of range 0..{num_blocks - 1}")
+                raise InvalidBlockError(f"{what}: group {g} block id {echo(b)} out of range 0..{num_blocks - 1}")
     return tuple(block_ids)
 
 
@@ -387,7 +387,7 @@ def check_pool_ids(ids: Sequence[object], num_blocks: int, pool: str, what: str,
     ``allow_null`` (vLLM skips it in touch/free; every caller in the modelled system filters it)."""
     for b in ids:
         if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:
-            raise InvalidBlockError(f"{pool}: cannot {what} block {b!r}: ids are 0..{num_blocks - 1}")
+            raise InvalidBlockError(f"{pool}: cannot {what} block {echo(b)}: ids are 0..{num_blocks - 1}")
         if b == 0 and not allow_null:
             raise InvalidBlockError(f"{pool}: cannot {what} the null block 0")
 
@@ -408,12 +408,12 @@ def check_connector_output(out: KVConnectorOutput, load_sent: Callable[[str], bo
     for rid in out.finished_recving:
         sent = load_sent(rid)
         if sent is None:
-            raise UnknownRequestError(f"finished_recving names {rid!r}, which has no load")
+            raise UnknownRequestError(f"finished_recving names {echo(rid)}, which has no load")
         if not sent:
-            raise InvalidOperationError(f"finished_recving names {rid!r}, whose load was never sent")
+            raise InvalidOperationError(f"finished_recving names {echo(rid)}, whose load was never sent")
     for e, c in out.completed_store_events.items():
         if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < store_event_counter:
-            raise UnknownEventError(f"store event {e!r} was never issued")
+            raise UnknownEventError(f"store event {echo(e)} was never issued")
         check_count(c, f"worker count for store event {e}", world_size)
         if c == 0:
             raise InvalidOperationError(f"worker count for store event {e} is 0")
