@@ -36,7 +36,7 @@ from kvspec.interfaces import (
     OffloadConfig,
     RequestView,
     SchedulerOutput,
-    check_block_table,
+    check_block_ids,
     check_count,
     check_request,
     check_scheduler_output,
@@ -164,7 +164,7 @@ class TensorOffloadScheduler:
 
     def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds, num_external_tokens: int) -> None:
         rid = check_request(request, "update_state_after_alloc")
-        ids = check_block_table(block_ids, self.G, self.gpu_pool.num_blocks, "update_state_after_alloc",
+        ids = check_block_ids(block_ids, self.G, self.gpu_pool.num_blocks, "update_state_after_alloc",
                                 none_groups=False)
         check_count(num_external_tokens, "num_external_tokens", request.num_tokens)
         pending = self.pending_cpu_hits.get(rid)
@@ -538,7 +538,7 @@ class TensorOffloadScheduler:
 
     def request_finished_all_groups(self, request: RequestView, block_ids: BlockIds) -> tuple[bool, None]:
         check_request(request, "request_finished")
-        ids = check_block_table(block_ids, self.G, self.gpu_pool.num_blocks, "request_finished",
+        ids = check_block_ids(block_ids, self.G, self.gpu_pool.num_blocks, "request_finished",
                                 none_groups=False)
         s = self.stores.slot_of.get(request.request_id)
         if s is not None and not self.lazy_mode:

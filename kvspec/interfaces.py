@@ -351,27 +351,6 @@ class OffloadTarget(Protocol):
 # -- input checks shared by every target -----------------------------------------------------
 
 
-def check_block_ids(block_ids: object, num_groups: int, num_blocks: int, what: str, *,
-                    none_groups: bool = True) -> BlockIds:
-    """Per-group GPU block ids: the right number of groups, every id in range. O(ids).
-
-    ``none_groups``: a group may be None (a scheduler output's "no new ids"); full tables
-    (``update_state_after_alloc``, ``request_finished_all_groups``) pass False.
-    """
-    if not isinstance(block_ids, (tuple, list)) or len(block_ids) != num_groups:
-        got = len(block_ids) if isinstance(block_ids, (tuple, list)) else type(block_ids).__name__
-        raise GroupCountError(f"{what}: expected block ids for {num_groups} group(s), got {got}")
-    for g, ids in enumerate(block_ids):
-        if ids is None:
-            if not none_groups:
-                raise GroupCountError(f"{what}: group {g} has no block ids (None)")
-            continue
-        for b in ids:
-            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:
-                raise InvalidBlockError(f"{what}: group {g} block id {echo(b)} out of range 0..{num_blocks - 1}")
-    return tuple(block_ids)
-
-
 def check_count(value: object, what: str, upper: int | None = None) -> int:
     """A non-negative int (not a bool), at most ``upper`` when given; else ``InvalidCountError``
     quoting the value through ``echo``."""
@@ -500,9 +479,9 @@ def check_request(request: object, what: str, *, full: bool = True) -> str:
     return rid
 
 
-def check_block_table(block_ids: object, num_groups: int, num_blocks: int, what: str, *,
+def check_block_ids(block_ids: object, num_groups: int, num_blocks: int, what: str, *,
                       none_groups: bool = True) -> BlockIds:
-    """``check_block_ids`` with bounded messages and a group that is not a list refused: one list
+    """Per-group GPU block ids (a scheduler output's or a full table): one list
     (or tuple) of GPU block ids per group, every id an int in ``0..num_blocks-1``; a group may be
     None only when ``none_groups``. ``GroupCountError`` for the shape, ``InvalidBlockError`` for
     an id. O(ids)."""
@@ -582,7 +561,7 @@ def check_scheduler_output(out: object, num_groups: int, num_blocks: int) -> int
             flat = [b for g in ids if g is not None for b in g]
             if not flat or (set(map(type, flat)) == {int} and min(flat) >= 0 and max(flat) < num_blocks):
                 continue
-        check_block_table(ids, num_groups, num_blocks, f"scheduler output for {name_of(rid)}")
+        check_block_ids(ids, num_groups, num_blocks, f"scheduler output for {name_of(rid)}")
     if not counts:
         return 0
     values = counts.values()

@@ -52,7 +52,7 @@ from kvspec.interfaces import (
     OffloadConfig,
     RequestView,
     SchedulerOutput,
-    check_block_table,
+    check_block_ids,
     check_count,
     check_request,
     check_scheduler_output,
@@ -191,7 +191,7 @@ class OffloadScheduler:
                                  num_external_tokens: int) -> None:
         """Register store state once; turn the pinned hit into a load of the accepted part."""
         rid = check_request(request, "update_state_after_alloc")
-        ids = check_block_table(block_ids, self.num_groups, self.gpu_pool.num_blocks, "update_state_after_alloc",
+        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "update_state_after_alloc",
                                 none_groups=False)
         check_count(num_external_tokens, "num_external_tokens", request.num_tokens)
         pending = self.pending_cpu_hits.get(rid)
@@ -505,7 +505,7 @@ class OffloadScheduler:
     def request_finished_all_groups(self, request: RequestView, block_ids: BlockIds) -> tuple[bool, None]:
         """Flush confirmed-but-unstored blocks of the live table, then finish (§7.13, §7.10)."""
         check_request(request, "request_finished")
-        ids = check_block_table(block_ids, self.num_groups, self.gpu_pool.num_blocks, "request_finished",
+        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "request_finished",
                                 none_groups=False)
         self._queue_finished_eager_store(request, [list(g) for g in ids])
         return self.request_finished(request)
