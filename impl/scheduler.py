@@ -305,13 +305,16 @@ class TensorOffloadScheduler:
             return [Segment(rids, ids, full, slots)]
         segs = [Segment([], [], [], [])]
         seen: set[int] = set()
-        for o in zip(rids, ids, full, slots, strict=True):
-            if o[3] in seen:
+        for rid, block_ids, is_full, slot in zip(rids, ids, full, slots, strict=True):
+            if slot in seen:
                 segs.append(Segment([], [], [], []))
                 seen = set()
-            seen.add(o[3])
-            for lst, v in zip((segs[-1].rids, segs[-1].ids, segs[-1].full, segs[-1].slots), o, strict=True):
-                lst.append(v)
+            seen.add(slot)
+            seg = segs[-1]
+            seg.rids.append(rid)
+            seg.ids.append(block_ids)
+            seg.full.append(is_full)
+            seg.slots.append(slot)
         return segs
 
     def apply_segment(self, seg: Segment, out: SchedulerOutput) -> tuple[list[str], list[int]]:
