@@ -534,7 +534,9 @@ class Engine:
         records), a load in flight, or the finish that was the last operation. A finished
         request nothing names has no state any invariant could judge, so leaving it out keeps
         a snapshot, and the step that takes it, proportional to the live state rather than to
-        the whole history. O(live requests + target state)."""
+        the whole history. Such a request is also retired here (dropped from ``requests``, its id
+        kept in ``retired``): nothing observable changes, since no snapshot would show it and no
+        operation may name it again. O(live requests + target state)."""
         snap = self.target.snapshot()
         named = _requests_named(snap["scheduler"]) | set(self.loads_shipped)
         if self.last_op == "finish" and self.last_finish is not None:

@@ -2,13 +2,15 @@
 
 They play the parts vLLM's own scheduler tests play by hand: a request with chained
 block hashes, GPU blocks allocated and registered in the GPU prefix cache, a
-hand-built ``SchedulerOutput``, and worker completions.
+hand-built ``SchedulerOutput``, and worker completions; and one engine-level scenario
+(``T1_OPS``) shared by the snapshot tests.
 """
 
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvspec.interfaces import (
     CachedRequestData,
@@ -131,3 +133,17 @@ def store_and_complete(s: OffloadScheduler, r: Req, n_blocks: int) -> list[int]:
 def assert_clean(s: OffloadScheduler) -> None:
     """The scheduler-local invariants hold on ``s``'s snapshot."""
     assert check(s.snapshot(), LOCAL_INVARIANTS) == []
+
+
+# §8 T1 as engine operations, on a GPU of T1_CONFIG's size: R is stored, its GPU copy evicted,
+# R2 loads it back (pins, loads and events all appear)
+T1_OPS: list[dict[str, Any]] = [
+    {"op": "add", "rid": "R", "family": 1, "prompt_len": 33, "max_tokens": 1},
+    {"op": "step", "admit": ["R"]}, {"op": "step"}, {"op": "report", "event": 0},
+    {"op": "finish", "rid": "R"},
+    {"op": "add", "rid": "Q", "family": 2, "prompt_len": 33, "max_tokens": 1},
+    {"op": "step", "admit": ["Q"]}, {"op": "finish", "rid": "Q"}, {"op": "step"}, {"op": "report", "event": 1},
+    {"op": "add", "rid": "R2", "family": 1, "prompt_len": 33, "max_tokens": 1},
+    {"op": "step", "admit": ["R2"]},
+]
+T1_CONFIG = {"num_gpu_blocks": 4}

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from scenario_kit import T1_CONFIG, T1_OPS
 
 from kvspec.cli import main
 from kvspec.errors import EXIT_BAD_INPUT
@@ -29,15 +30,6 @@ from kvspec.snapshot_io import MAX_DEPTH
 MESSAGE_LIMIT = 300  # characters of the one-line message, file name excluded
 BIG = 5_000_000  # a 5 MB string
 
-T1_OPS: list[dict[str, Any]] = [  # R is stored, its GPU copy evicted, R2 loads it back (pins, loads, events)
-    {"op": "add", "rid": "R", "family": 1, "prompt_len": 33, "max_tokens": 1},
-    {"op": "step", "admit": ["R"]}, {"op": "step"}, {"op": "report", "event": 0},
-    {"op": "finish", "rid": "R"},
-    {"op": "add", "rid": "Q", "family": 2, "prompt_len": 33, "max_tokens": 1},
-    {"op": "step", "admit": ["Q"]}, {"op": "finish", "rid": "Q"}, {"op": "step"}, {"op": "report", "event": 1},
-    {"op": "add", "rid": "R2", "family": 1, "prompt_len": 33, "max_tokens": 1},
-    {"op": "step", "admit": ["R2"]},
-]
 LIVE_OPS: list[dict[str, Any]] = [  # R is running with live store state and a store event in flight
     {"op": "add", "rid": "R", "family": 1, "prompt_len": 97, "max_tokens": 8},
     {"op": "step", "admit": ["R"], "chunk": 64}, {"op": "step", "chunk": 64},
@@ -62,7 +54,7 @@ def base(kind: str = "engine") -> dict[str, Any]:
         if kind == "live":
             _BASES[kind] = json.loads(json.dumps(_engine("repair", LIVE_OPS).snapshot()))
         else:
-            eng = _engine("repair", T1_OPS, num_gpu_blocks=4)
+            eng = _engine("repair", T1_OPS, **T1_CONFIG)
             _BASES["engine"] = json.loads(json.dumps(eng.snapshot()))
             _BASES["target"] = json.loads(json.dumps(eng.target.snapshot()))
     return copy.deepcopy(_BASES[kind])

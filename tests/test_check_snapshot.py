@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from scenario_kit import T1_CONFIG, T1_OPS
 
 from kvspec.cli import main
 from kvspec.errors import SnapshotFormatError
@@ -36,16 +37,6 @@ T2_OPS: list[dict[str, Any]] = [  # docs §8 T2: R's first two blocks are evicte
     {"op": "report", "event": 1},
 ]
 
-T1_OPS: list[dict[str, Any]] = [  # §8 T1 on a 3-block GPU: R is stored, its GPU copy evicted, R2 loads it
-    {"op": "add", "rid": "R", "family": 1, "prompt_len": 33, "max_tokens": 1},
-    {"op": "step", "admit": ["R"]}, {"op": "step"}, {"op": "report", "event": 0},
-    {"op": "finish", "rid": "R"},
-    {"op": "add", "rid": "Q", "family": 2, "prompt_len": 33, "max_tokens": 1},
-    {"op": "step", "admit": ["Q"]}, {"op": "finish", "rid": "Q"}, {"op": "step"}, {"op": "report", "event": 1},
-    {"op": "add", "rid": "R2", "family": 1, "prompt_len": 33, "max_tokens": 1},
-    {"op": "step", "admit": ["R2"]},
-]
-T1_CONFIG = {"num_gpu_blocks": 4}
 
 
 def run_engine(policy: str, ops: list[dict[str, Any]], **cfg: Any) -> Engine:
