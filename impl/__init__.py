@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
 
 if TYPE_CHECKING:
     from kvspec.impl.scheduler import TensorOffloadScheduler

@@ -13,7 +13,7 @@ Two faces:
   ``insert_block_hash``, ``get_cached_block``, ``reset_prefix_cache``, plus the
   ``ref_cnt``/``block_hash``/``free_queue`` views) speaks lists and key tuples, checks
   its input exactly as the model's ``BlockPool`` does, with the same shared checks of
-  ``kvspec.interfaces`` (same ``KVSpecError`` subclasses, nothing changed on error; a
+  ``kvspec.contract`` (same ``KVSpecError`` subclasses, nothing changed on error; a
   key's group must be below the key table's number of groups) and then calls the batch
   face. The engine model and the harnesses drive a GPU pool through it.
 
@@ -30,12 +30,7 @@ from typing import Any
 
 import torch
 
-from kvspec.errors import InvalidBlockError, InvalidCountError, echo
-from kvspec.impl.convert import int_tensor
-from kvspec.impl.free_list import FreeList
-from kvspec.impl.keys import BlockKey, KeyTable
-from kvspec.impl.prefix_index import PrefixIndex
-from kvspec.interfaces import (
+from kvspec.contract.checks import (
     check_block_key,
     check_cached_block_query,
     check_free_counts,
@@ -43,7 +38,12 @@ from kvspec.interfaces import (
     check_new_block_count,
     name_of,
 )
-from kvspec.snapshot import pool_section
+from kvspec.contract.errors import InvalidBlockError, InvalidCountError, echo
+from kvspec.contract.snapshot import pool_section
+from kvspec.impl.convert import int_tensor
+from kvspec.impl.free_list import FreeList
+from kvspec.impl.keys import BlockKey, KeyTable
+from kvspec.impl.prefix_index import PrefixIndex
 
 NULL_BLOCK = 0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvspec.interfaces import KVGroup
+from kvspec.contract.config import KVGroup
 from kvspec.model.hit_search import find_longest_cache_hit
 
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvspec.errors import ConfigError
-from kvspec.interfaces import RequestView, SchedulerOutput
+from kvspec.contract.errors import ConfigError
+from kvspec.contract.types import RequestView, SchedulerOutput
 
 if TYPE_CHECKING:
     from kvspec.impl.scheduler import StepBatch, TensorOffloadScheduler

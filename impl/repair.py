@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvspec.contract.types import RequestView, SchedulerOutput
 from kvspec.impl.convert import int_tensor
 from kvspec.impl.planner import Layout, layout
 from kvspec.impl.policies import BaselinePolicy
-from kvspec.interfaces import RequestView, SchedulerOutput
 from kvspec.model.rules import window_floor
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ vLLM's order. Planning a step is batched across requests and groups
 re-store policy is a strategy object (``kvspec.impl.policies``).
 
 Every public method checks its input with the shared checks of
-``kvspec.interfaces`` before changing anything and raises the same ``KVSpecError``
+``kvspec.contract`` before changing anything and raises the same ``KVSpecError``
 subclasses as the model; ``snapshot()`` is the model's canonical format, key for key.
 """
 
@@ -21,21 +21,7 @@ from typing import Any, cast
 
 import torch
 
-from kvspec.errors import InvalidOperationError
-from kvspec.impl.block_pool import TensorBlockPool
-from kvspec.impl.convert import int_tensor
-from kvspec.impl.hit_search import longest_hit
-from kvspec.impl.keys import KeyTable
-from kvspec.impl.payload import PayloadStore
-from kvspec.impl.planner import Candidates, decide, layout
-from kvspec.impl.request_table import StoreTable
-from kvspec.interfaces import (
-    BlockIds,
-    ConnectorMetadata,
-    KVConnectorOutput,
-    OffloadConfig,
-    RequestView,
-    SchedulerOutput,
+from kvspec.contract.checks import (
     check_block_ids,
     check_count,
     check_request,
@@ -43,7 +29,17 @@ from kvspec.interfaces import (
     check_worker_output,
     name_of,
 )
-from kvspec.snapshot import Transfer, scheduler_section
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import InvalidOperationError
+from kvspec.contract.snapshot import Transfer, scheduler_section
+from kvspec.contract.types import BlockIds, ConnectorMetadata, KVConnectorOutput, RequestView, SchedulerOutput
+from kvspec.impl.block_pool import TensorBlockPool
+from kvspec.impl.convert import int_tensor
+from kvspec.impl.hit_search import longest_hit
+from kvspec.impl.keys import KeyTable
+from kvspec.impl.payload import PayloadStore
+from kvspec.impl.planner import Candidates, decide, layout
+from kvspec.impl.request_table import StoreTable
 
 
 @dataclass
@@ -260,7 +256,7 @@ class TensorOffloadScheduler:
         return meta
 
     def _check_scheduler_output(self, out: SchedulerOutput) -> None:
-        """Every field the planning reads, shapes first (``kvspec.interfaces.check_scheduler_output``);
+        """Every field the planning reads, shapes first (``kvspec.contract.checks.check_scheduler_output``);
         notes the smallest scheduled count (0 when none) for the planner's fast path."""
         self._min_scheduled = check_scheduler_output(out, self.G, self.gpu_pool.num_blocks)
 

@@ -2,7 +2,7 @@
 
 ``kvspec.model`` is the executable specification, ``kvspec.impl`` the torch-backed
 implementation, ``kvspec.specs`` the proofs; this package holds the shared
-contract (``kvspec.interfaces``), the errors, the trace format and the CLI.
+contract (``kvspec.contract``), the errors, the trace format and the CLI.
 """
 
 import warnings
@@ -12,8 +12,8 @@ import warnings
 # loads the implementation. Set here, before any kvspec module imports torch.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-from kvspec.errors import KVSpecError  # noqa: E402
-from kvspec.interfaces import KVGroup, OffloadConfig  # noqa: E402
+from kvspec.contract.config import KVGroup, OffloadConfig  # noqa: E402
+from kvspec.contract.errors import KVSpecError  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["KVGroup", "KVSpecError", "OffloadConfig", "__version__"]

@@ -15,7 +15,7 @@ import sys
 import traceback
 
 import kvspec.commands
-from kvspec.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, KVSpecError
+from kvspec.contract.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, KVSpecError
 
 EXIT_CODES = ("exit codes: 0 clean, 1 finding or violation, 2 bad input or usage, 3 internal error, "
               "130 interrupted")

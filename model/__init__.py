@@ -4,7 +4,7 @@
 ``baseline`` (vLLM 0.33.0), ``signal-rescan`` (PR #47235) or ``repair`` (kvspec's).
 """
 
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
 from kvspec.model.block_pool import BlockPool
 from kvspec.model.repair import RepairScheduler
 from kvspec.model.scheduler import OffloadScheduler

@@ -28,14 +28,13 @@ or ``n`` beyond the free count. Arguments of the wrong shape are refused too: id
 are not an iterable of ints, a count that is not an int (a bool included), a key that
 is not ``(block_hash: str, group: int)`` with the group below ``num_groups`` (when the
 pool was given it: the configuration's number of KV groups). Every check runs before
-any change (the shared checks of ``kvspec.interfaces``, as the implementation's pool).
+any change (the shared checks of ``kvspec.contract``, as the implementation's pool).
 """
 
 from collections.abc import Iterable
 from typing import Any
 
-from kvspec.errors import InvalidBlockError, InvalidCountError, echo
-from kvspec.interfaces import (
+from kvspec.contract.checks import (
     check_block_key,
     check_cached_block_query,
     check_free_counts,
@@ -44,10 +43,11 @@ from kvspec.interfaces import (
     check_num_groups,
     name_of,
 )
+from kvspec.contract.errors import InvalidBlockError, InvalidCountError, echo
+from kvspec.contract.snapshot import pool_section
 from kvspec.model.free_queue import FreeBlockQueue
 from kvspec.model.hashing import BlockKey, key_str
 from kvspec.model.prefix_map import PrefixMap
-from kvspec.snapshot import pool_section
 
 NULL_BLOCK = 0
 

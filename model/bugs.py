@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 
-from kvspec.interfaces import KVConnectorOutput, OffloadConfig, RequestView, SchedulerOutput
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.types import KVConnectorOutput, RequestView, SchedulerOutput
 from kvspec.model.block_pool import BlockPool
 from kvspec.model.hashing import BlockKey
 from kvspec.model.repair import RepairScheduler

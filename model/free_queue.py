@@ -11,7 +11,7 @@ not. Every operation is O(1) per block moved.
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
-from kvspec.errors import OutOfBlocksError, QueueCorruptionError
+from kvspec.contract.errors import OutOfBlocksError, QueueCorruptionError
 
 
 class FreeBlockQueue:

@@ -20,7 +20,7 @@ Cost: O(hashes x groups) per pass; passes are bounded by the number of spec grou
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-from kvspec.interfaces import KVGroup
+from kvspec.contract.config import KVGroup
 from kvspec.model.block_pool import NULL_BLOCK
 
 _Key = TypeVar("_Key")

@@ -62,7 +62,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from kvspec.interfaces import OffloadConfig, RequestView, SchedulerOutput
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.types import RequestView, SchedulerOutput
 from kvspec.model.block_pool import NULL_BLOCK, BlockPool
 from kvspec.model.hashing import BlockKey, key_str
 from kvspec.model.rules import window_floor

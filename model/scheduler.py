@@ -44,20 +44,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from kvspec.errors import InvalidOperationError
-from kvspec.interfaces import (
-    BlockIds,
-    ConnectorMetadata,
-    KVConnectorOutput,
-    OffloadConfig,
-    RequestView,
-    SchedulerOutput,
+from kvspec.contract.checks import (
     check_block_ids,
     check_count,
     check_request,
     check_scheduler_output,
     check_worker_output,
     name_of,
+)
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import InvalidOperationError
+from kvspec.contract.snapshot import Transfer as Transfer_
+from kvspec.contract.snapshot import scheduler_section
+from kvspec.contract.types import (
+    BlockIds,
+    ConnectorMetadata,
+    KVConnectorOutput,
+    RequestView,
+    SchedulerOutput,
     yield_req_data,
 )
 from kvspec.model.block_pool import NULL_BLOCK, BlockPool
@@ -69,8 +73,6 @@ from kvspec.model.rules import NOT_HASHED as NOT_HASHED
 from kvspec.model.rules import NULL as NULL
 from kvspec.model.rules import READY as READY
 from kvspec.model.rules import classify_store_candidate, ready_blocks, scan_group
-from kvspec.snapshot import Transfer as Transfer_
-from kvspec.snapshot import scheduler_section
 
 
 @dataclass
@@ -278,7 +280,7 @@ class OffloadScheduler:
         return meta
 
     def _check_scheduler_output(self, out: SchedulerOutput) -> None:
-        """Every field the planning reads, shapes first (``kvspec.interfaces.check_scheduler_output``)."""
+        """Every field the planning reads, shapes first (``kvspec.contract.checks.check_scheduler_output``)."""
         check_scheduler_output(out, self.num_groups, self.gpu_pool.num_blocks)
 
     def _plan_eager(self, out: SchedulerOutput) -> StoreBatch:
@@ -591,7 +593,7 @@ class OffloadScheduler:
     # == observation ===========================================================================
 
     def snapshot(self) -> dict[str, Any]:
-        """Canonical state: both pools and the scheduler (see kvspec.model.snapshot)."""
+        """Canonical state: both pools and the scheduler (see kvspec.contract.snapshot)."""
         return {
             "gpu_pool": self.gpu_pool.snapshot(),
             "cpu_pool": self.cpu_pool.snapshot(),
@@ -630,7 +632,7 @@ class OffloadScheduler:
 
     def _check(self) -> None:
         """The invariants that need only this scheduler's own state (pools, I3-I4, I6-I9, I13)."""
-        from kvspec.model.invariants import LOCAL_INVARIANTS, check
+        from kvspec.oracle.catalogue import LOCAL_INVARIANTS, check
 
         self.gpu_pool._check()
         self.cpu_pool._check()

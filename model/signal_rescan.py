@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvspec.interfaces import OffloadConfig, SchedulerOutput
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.types import SchedulerOutput
 from kvspec.model.block_pool import BlockPool
 from kvspec.model.hashing import BlockKey
 from kvspec.model.scheduler import READY, OffloadScheduler, StoreBatch, StoreState

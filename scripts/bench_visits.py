@@ -29,9 +29,9 @@ import sys
 import time
 from typing import Any
 
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
+from kvspec.drivers.engine import Engine
 from kvspec.model import make_scheduler
-from kvspec.model.engine import Engine
 
 MAX_BLOCKS_PER_REQUEST = 4000  # the engine model caps a prompt at 65,536 tokens
 CHURN_BLOCKS = 2

@@ -4,7 +4,7 @@
 A region is the text between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``; the
 script replaces it and leaves every other line alone. Regions:
 
-* ``catalogue``: the invariant catalogue (``kvspec.model.invariants.CATALOGUE``): id,
+* ``catalogue``: the invariant catalogue (``kvspec.oracle.catalogue.CATALOGUE``): id,
   title, statement (the check's docstring), whether it needs the engine section,
   and what enforces it.
 * ``claims``: which invariant ids each re-store policy guarantees
@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvspec.interfaces import KVGroup, OffloadConfig
+from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.drivers.engine import Engine
 from kvspec.model import POLICY_CLASSES, make_scheduler
-from kvspec.model.engine import Engine
-from kvspec.model.invariants import CATALOGUE, check
+from kvspec.oracle.catalogue import CATALOGUE, check
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "SPEC.md"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Draw the pictures of specs/SPEC.md from real runs of the executable model.
 
-Nothing is drawn by hand: each picture runs the engine model (``kvspec.model.engine``)
+Nothing is drawn by hand: each picture runs the engine model (``kvspec.drivers.engine``)
 on a fixed operation sequence, takes snapshots, and renders what they contain as SVG
 text (no plotting dependency). The output is deterministic, so the committed files
 can be compared with a fresh run (tests/test_pictures.py).
@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
+from kvspec.drivers.engine import Engine
 from kvspec.model import make_scheduler
-from kvspec.model.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "specs" / "pictures"

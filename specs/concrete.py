@@ -23,7 +23,8 @@ from typing import Any
 
 import z3
 
-from kvspec.interfaces import CachedRequestData, KVGroup, NewRequestData, OffloadConfig, SchedulerOutput
+from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.contract.types import CachedRequestData, NewRequestData, SchedulerOutput
 from kvspec.model import RepairScheduler, SignalRescanScheduler, make_scheduler
 from kvspec.model.scheduler import OffloadScheduler, StoreState
 from kvspec.specs.encoding import ARRAYS, Group, Quant, State, Unrolled

@@ -3,7 +3,7 @@
 A counterexample of ``obligations.py`` is an abstract step: a state where a completeness
 claim holds, one transition, and a state where it does not. The builders here read the
 numbers that matter from the Z3 model (the cursor, the positions that became holes) and
-write a trace for ``kvspec.model.engine.Engine`` whose CPU pool is sized so the same
+write a trace for ``kvspec.drivers.engine.Engine`` whose CPU pool is sized so the same
 thing happens to a real request, block for block:
 
 * ``T2`` (baseline, eviction): request R stores its first ``c`` blocks (cursor ``c``),
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
 
 B = 16  # the engine's default block size
 

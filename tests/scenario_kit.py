@@ -12,18 +12,13 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvspec.interfaces import (
-    CachedRequestData,
-    KVConnectorOutput,
-    NewRequestData,
-    OffloadConfig,
-    SchedulerOutput,
-)
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.types import CachedRequestData, KVConnectorOutput, NewRequestData, SchedulerOutput
 from kvspec.model import make_scheduler
 from kvspec.model.hashing import block_hashes
 from kvspec.model.hit_search import find_longest_cache_hit
-from kvspec.model.invariants import LOCAL_INVARIANTS, check
 from kvspec.model.scheduler import OffloadScheduler
+from kvspec.oracle.catalogue import LOCAL_INVARIANTS, check
 
 B = 16
 

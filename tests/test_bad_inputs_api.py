@@ -28,7 +28,8 @@ from typing import Any
 import pytest
 
 from kvspec.cli import main
-from kvspec.errors import (
+from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.contract.errors import (
     GroupCountError,
     InvalidBlockError,
     InvalidCountError,
@@ -37,19 +38,12 @@ from kvspec.errors import (
     OutOfBlocksError,
     UnknownRequestError,
 )
+from kvspec.contract.snapshot_io import snapshot_issues
+from kvspec.contract.types import CachedRequestData, KVConnectorOutput, NewRequestData, SchedulerOutput
+from kvspec.drivers.engine import Engine
 from kvspec.impl import make_scheduler as make_impl
-from kvspec.interfaces import (
-    CachedRequestData,
-    KVConnectorOutput,
-    KVGroup,
-    NewRequestData,
-    OffloadConfig,
-    SchedulerOutput,
-)
 from kvspec.model import make_scheduler as make_model
 from kvspec.model.block_pool import BlockPool
-from kvspec.model.engine import Engine
-from kvspec.snapshot_io import snapshot_issues
 
 POLICIES = ("baseline", "signal-rescan", "repair")
 HUGE = "r" * 5_000_000  # a 5 MB value: never echoed whole

@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-import kvspec.harness as harness
+import kvspec.drivers.harness as harness
 from kvspec.cli import main
-from kvspec.errors import InvalidOperationError, KVSpecError, UnknownEventError, UnknownRequestError
-from kvspec.harness import CRASH, VIOLATION, fuzz
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import InvalidOperationError, KVSpecError, UnknownEventError, UnknownRequestError
+from kvspec.drivers.engine import Engine
+from kvspec.drivers.harness import CRASH, VIOLATION, fuzz
+from kvspec.drivers.trace import Trace
 from kvspec.model import make_scheduler
-from kvspec.model.engine import Engine
-from kvspec.trace import Trace
 
 TRACES = Path(__file__).parent / "traces"
 FIXME = str(TRACES / "vllm-fixme.jsonl")

@@ -21,11 +21,11 @@ import pytest
 from scenario_kit import T1_CONFIG, T1_OPS
 
 from kvspec.cli import main
-from kvspec.errors import EXIT_BAD_INPUT
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import EXIT_BAD_INPUT
+from kvspec.contract.snapshot_io import MAX_DEPTH
+from kvspec.drivers.engine import Engine
 from kvspec.model import make_scheduler
-from kvspec.model.engine import Engine
-from kvspec.snapshot_io import MAX_DEPTH
 
 MESSAGE_LIMIT = 300  # characters of the one-line message, file name excluded
 BIG = 5_000_000  # a 5 MB string

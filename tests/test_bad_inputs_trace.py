@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from kvspec import trace as trace_io
-from kvspec.errors import ConfigError, KVSpecError, TraceError
-from kvspec.interfaces import MAX_POOL_BLOCKS, KVGroup, OffloadConfig
+from kvspec.contract.config import MAX_POOL_BLOCKS, KVGroup, OffloadConfig
+from kvspec.contract.errors import ConfigError, KVSpecError, TraceError
+from kvspec.drivers import trace as trace_io
 
 TRACES = Path(__file__).parent / "traces"
 MSG_LIMIT = 300

@@ -1,4 +1,4 @@
-"""``kvspec check-snapshot`` and the snapshot format (schema + kvspec.snapshot_io)."""
+"""``kvspec check-snapshot`` and the snapshot format (schema + kvspec.contract.snapshot_io)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,9 @@ import pytest
 from scenario_kit import T1_CONFIG, T1_OPS
 
 from kvspec.cli import main
-from kvspec.errors import SnapshotFormatError
-from kvspec.interfaces import POLICIES, KVGroup, OffloadConfig
-from kvspec.model import make_scheduler
-from kvspec.model.engine import Engine
-from kvspec.model.invariants import CATALOGUE
-from kvspec.oracle import resolve
-from kvspec.snapshot_io import (
+from kvspec.contract.config import POLICIES, KVGroup, OffloadConfig
+from kvspec.contract.errors import SnapshotFormatError
+from kvspec.contract.snapshot_io import (
     SUPPORTED_KEYWORDS,
     _unsupported_keywords,
     load_schema,
@@ -27,6 +23,10 @@ from kvspec.snapshot_io import (
     snapshot_issues,
     validate_snapshot,
 )
+from kvspec.drivers.engine import Engine
+from kvspec.model import make_scheduler
+from kvspec.oracle.catalogue import CATALOGUE
+from kvspec.oracle.claims import resolve
 
 T2_OPS: list[dict[str, Any]] = [  # docs §8 T2: R's first two blocks are evicted by its own later stores
     {"op": "add", "rid": "R", "family": 1, "prompt_len": 97, "max_tokens": 8},
@@ -420,8 +420,8 @@ def test_every_snapshot_of_random_runs_follows_the_schema(policy: str, extra: di
     its snapshot (and the target's own) is accepted, so the format covers all of the model."""
     import random
 
-    from kvspec.errors import KVSpecError
-    from kvspec.opgen import next_op, random_config_kwargs
+    from kvspec.contract.errors import KVSpecError
+    from kvspec.drivers.opgen import next_op, random_config_kwargs
 
     sections: set[str] = set()
     for seed in range(4):
@@ -443,7 +443,7 @@ def test_every_snapshot_of_random_runs_follows_the_schema(policy: str, extra: di
 
 
 def test_dump_round_trip_and_refusal(tmp_path: Path) -> None:
-    from kvspec.snapshot_io import dump_snapshot
+    from kvspec.contract.snapshot_io import dump_snapshot
 
     snap = json.loads(json.dumps(run_engine("repair", T1_OPS).snapshot()))
     path = tmp_path / "s.json"

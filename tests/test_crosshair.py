@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 
 import kvspec.model.scheduler as scheduler_module
-from kvspec.interfaces import CachedRequestData, OffloadConfig, SchedulerOutput
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.types import CachedRequestData, SchedulerOutput
 from kvspec.model import make_scheduler
 from kvspec.model.scheduler import StoreState
 

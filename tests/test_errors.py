@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from scenario_kit import Req, alloc, complete, make, out, req, tokens
 
-from kvspec.errors import (
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import (
     ConfigError,
     DoubleFreeError,
     GroupCountError,
@@ -28,10 +29,10 @@ from kvspec.errors import (
     UnknownEventError,
     UnknownRequestError,
 )
-from kvspec.interfaces import KVConnectorOutput, OffloadConfig
+from kvspec.contract.types import KVConnectorOutput
+from kvspec.drivers.engine import Engine
 from kvspec.model import make_scheduler
 from kvspec.model.block_pool import BlockPool
-from kvspec.model.engine import Engine
 
 POLICIES = ("baseline", "signal-rescan", "repair")
 

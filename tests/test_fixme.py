@@ -8,10 +8,10 @@ prompt gets a CPU hit of 0 tokens (the missing first block breaks the chain).
 
 from __future__ import annotations
 
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
+from kvspec.drivers.engine import Engine
 from kvspec.model import make_scheduler
-from kvspec.model.engine import Engine
-from kvspec.model.invariants import check
+from kvspec.oracle.catalogue import check
 
 
 def _t2(policy: str) -> Engine:

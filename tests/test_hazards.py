@@ -27,12 +27,12 @@ from typing import Any
 import pytest
 from scenario_kit import alloc, complete, cpu_hit, cpu_map, make, out, req
 
-from kvspec.interfaces import KVGroup, OffloadConfig
+from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.drivers.engine import Engine, prompt_tokens
 from kvspec.model import make_scheduler
-from kvspec.model.engine import Engine, prompt_tokens
 from kvspec.model.hashing import block_hashes
 from kvspec.model.hit_search import find_longest_cache_hit
-from kvspec.model.invariants import check
+from kvspec.oracle.catalogue import check
 
 POLICIES = ("baseline", "signal-rescan", "repair")
 DRAIN = "drain"

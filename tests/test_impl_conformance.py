@@ -1,6 +1,6 @@
 """The implementation against the model: random engine traces, snapshot equality after every op.
 
-Each trace (``kvspec.tracegen.random_ops``, seeded, some operations deliberately invalid)
+Each trace (``kvspec.drivers.tracegen.random_ops``, seeded, some operations deliberately invalid)
 runs on ``Engine(model)`` and ``Engine(impl)`` side by side. After every operation both
 must have raised the same ``KVSpecError`` subclass or neither, and ``engine.snapshot()``
 (both pools, the scheduler, the engine's view) must be equal. After every completed
@@ -18,20 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from kvspec.errors import KVSpecError
+from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.contract.errors import KVSpecError
+from kvspec.contract.types import CachedRequestData, KVConnectorOutput, NewRequestData, SchedulerOutput
+from kvspec.drivers.engine import Engine
+from kvspec.drivers.tracegen import random_ops
 from kvspec.impl import make_scheduler as make_impl
 from kvspec.impl.payload import expected_payload
-from kvspec.interfaces import (
-    CachedRequestData,
-    KVConnectorOutput,
-    KVGroup,
-    NewRequestData,
-    OffloadConfig,
-    SchedulerOutput,
-)
 from kvspec.model import make_scheduler as make_model
-from kvspec.model.engine import Engine
-from kvspec.tracegen import random_ops
 
 N_OPS = 140
 

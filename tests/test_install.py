@@ -45,7 +45,7 @@ def test_fresh_venv_imports_kvspec_model_not_model(tmp_path: Path) -> None:
 
     # kvspec.impl and kvspec.specs need torch and z3, which the base interpreter may lack:
     # they are checked as installed files below, kvspec.model by importing it
-    ok = _run([str(py), "-c", "import kvspec.model, kvspec.model.engine, kvspec.interfaces; "
+    ok = _run([str(py), "-c", "import kvspec.model, kvspec.drivers.engine, kvspec.contract; "
                "print(kvspec.model.__file__)"], elsewhere)
     assert ok.returncode == 0, ok.stderr
     where = Path(ok.stdout.strip())

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from kvspec.interfaces import KVGroup, OffloadConfig
+from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.drivers.engine import Engine
 from kvspec.model import make_scheduler
-from kvspec.model.engine import Engine
-from kvspec.model.invariants import CATALOGUE, Violation, check
+from kvspec.oracle.catalogue import CATALOGUE, Violation, check
 
 Snap = dict[str, Any]
 POLICIES = ("baseline", "signal-rescan", "repair")

@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from kvspec.harness import VIOLATION, fuzz
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
+from kvspec.drivers.engine import Engine
+from kvspec.drivers.harness import VIOLATION, fuzz
 from kvspec.model.block_pool import BlockPool
 from kvspec.model.bugs import RepairNoSameStepPin, RepairNoVictimRule
-from kvspec.model.engine import Engine
-from kvspec.model.invariants import check
 from kvspec.model.repair import Position, RepairScheduler
 from kvspec.model.scheduler import OffloadScheduler
+from kvspec.oracle.catalogue import check
 
 SELF_REPORTS = ("restores_last_plan", "lost_keys_at_repair", "self_evictions", "useful_evicted_by_restores")
 
@@ -130,7 +130,7 @@ def _snap(cursors: dict[str, int], cached: dict[str, list[int]], stores: dict[st
 
 
 def test_observe_plan_names_what_the_step_passed_and_evicted() -> None:
-    from kvspec.model.invariants import observe_plan
+    from kvspec.oracle.catalogue import observe_plan
 
     # A's cursor passes h0 and h1 (cached) and stores h2; the allocation evicts h0, which B
     # owns below its cursor with no parent: a live, useful entry taken by new work
@@ -151,7 +151,7 @@ def test_observe_plan_names_what_the_step_passed_and_evicted() -> None:
 
 
 def test_observe_plan_for_a_finish_flush() -> None:
-    from kvspec.model.invariants import observe_plan
+    from kvspec.oracle.catalogue import observe_plan
 
     # A finishes with cursor 0: the flush copies h2 (block 7), so it passed h0 and h1; h0 was
     # cached before and is gone after: judged cached and evicted by the flush's own allocation

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from kvspec import oracle as oracles
-from kvspec import trace as trace_io
 from kvspec.cli import main
-from kvspec.harness import VIOLATION, replay
+from kvspec.drivers import trace as trace_io
+from kvspec.drivers.harness import VIOLATION, replay
 from kvspec.model import make_scheduler
 from kvspec.model.bugs import BUGS, make_bug_target
+from kvspec.oracle import claims as oracles
 
 TRACES = Path(__file__).parent / "traces"
 

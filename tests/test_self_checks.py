@@ -3,10 +3,10 @@ every step. Each check must fire on a corrupted structure."""
 
 import pytest
 
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
+from kvspec.drivers.engine import Engine
 from kvspec.model import make_scheduler
 from kvspec.model.block_pool import BlockPool
-from kvspec.model.engine import Engine
 
 
 def test_free_queue_refuses_null_and_out_of_range():

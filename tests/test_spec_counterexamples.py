@@ -14,9 +14,9 @@ from dataclasses import replace
 import pytest
 import z3
 
+from kvspec.drivers.engine import Engine
 from kvspec.model import make_scheduler
-from kvspec.model.engine import Engine
-from kvspec.model.invariants import check
+from kvspec.oracle.catalogue import check
 from kvspec.specs.obligations import catalogue
 from kvspec.specs.traces import BUILDERS
 

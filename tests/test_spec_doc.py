@@ -12,10 +12,10 @@ from types import ModuleType
 
 import pytest
 
-import kvspec.errors
-from kvspec.interfaces import GpuPool, OffloadTarget
-from kvspec.model.engine import Engine
-from kvspec.model.invariants import CATALOGUE
+import kvspec.contract.errors
+from kvspec.contract.types import GpuPool, OffloadTarget
+from kvspec.drivers.engine import Engine
+from kvspec.oracle.catalogue import CATALOGUE
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "SPEC.md"
@@ -93,8 +93,8 @@ def test_pictures_referenced_exist(text: str) -> None:
 
 
 def test_every_error_class_is_documented(text: str) -> None:
-    classes = [c for _, c in inspect.getmembers(kvspec.errors, inspect.isclass)
-               if issubclass(c, kvspec.errors.KVSpecError) and c is not kvspec.errors.KVSpecError]
+    classes = [c for _, c in inspect.getmembers(kvspec.contract.errors, inspect.isclass)
+               if issubclass(c, kvspec.contract.errors.KVSpecError) and c is not kvspec.contract.errors.KVSpecError]
     assert classes
     missing = [c.__name__ for c in classes if f"`{c.__name__}`" not in text]
     assert not missing, f"SPEC.md does not mention {missing}"
@@ -113,7 +113,7 @@ def test_every_protocol_method_and_engine_op_is_documented(text: str) -> None:
 
 
 def test_every_scheduler_snapshot_field_is_documented(text: str) -> None:
-    schema = json.loads((ROOT / "kvspec" / "schema" / "snapshot.schema.json").read_text(encoding="utf-8"))
+    schema = json.loads((ROOT / "kvspec" / "contract" / "schema" / "snapshot.schema.json").read_text(encoding="utf-8"))
     fields = schema["$defs"]["scheduler"]["required"] + schema["$defs"]["pool"]["required"]
     missing = [f for f in fields if f"`{f}`" not in text]
     assert not missing, f"SPEC.md §1 does not mention {missing}"

@@ -5,7 +5,7 @@ drawn; the invariant catalogue is checked after every step; rare paths are shown
 ``--hypothesis-show-statistics``.
 """
 
-from kvspec.harness import make_state_machine
+from kvspec.drivers.harness import make_state_machine
 from kvspec.impl import make_scheduler as make_impl
 from kvspec.model import make_scheduler
 

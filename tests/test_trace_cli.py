@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvspec import trace as trace_io
 from kvspec.cli import main
-from kvspec.errors import TraceError
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import TraceError
+from kvspec.drivers import trace as trace_io
 
 TRACES = Path(__file__).parent / "traces"
 HEADER = json.dumps({"kvspec_trace": 1, "config": OffloadConfig(policy="baseline").to_json(), "seed": 0})

@@ -25,7 +25,7 @@ from scenario_kit import (
     req,
 )
 
-from kvspec.model.invariants import check
+from kvspec.oracle.catalogue import check
 
 
 def test_t1_eager_roundtrip() -> None:

@@ -1,6 +1,6 @@
 """Conformance of the model's ``baseline`` policy with real vLLM 0.33.0.
 
-The same random engine traces (``kvspec.tracegen.random_ops``) run on
+The same random engine traces (``kvspec.drivers.tracegen.random_ops``) run on
 ``Engine(model baseline)`` and ``Engine(VllmTarget)`` side by side. After every
 operation both must agree on the outcome (result, or the ``KVSpecError`` class of a
 rejection) and on the whole snapshot, down to its JSON text: both pools, the
@@ -26,22 +26,16 @@ from typing import Any
 
 import pytest
 
-from kvspec.errors import ConfigError, KVSpecError
-from kvspec.harness import first_difference
-from kvspec.interfaces import (
-    CachedRequestData,
-    KVConnectorOutput,
-    KVGroup,
-    NewRequestData,
-    OffloadConfig,
-    SchedulerOutput,
-)
+from kvspec.adapters.vllm import vllm_available
+from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.contract.errors import ConfigError, KVSpecError
+from kvspec.contract.types import CachedRequestData, KVConnectorOutput, NewRequestData, SchedulerOutput
+from kvspec.drivers.engine import Engine
+from kvspec.drivers.harness import first_difference
+from kvspec.drivers.trace import Trace
+from kvspec.drivers.tracegen import random_ops
 from kvspec.model import make_scheduler
-from kvspec.model.engine import Engine
 from kvspec.model.scheduler import OffloadScheduler
-from kvspec.trace import Trace
-from kvspec.tracegen import random_ops
-from kvspec.vllm_adapter import vllm_available
 
 VLLM_OK, VLLM_WHY = vllm_available()
 if os.environ.get("KVSPEC_REQUIRE_VLLM") == "1" and not VLLM_OK:
@@ -130,7 +124,7 @@ def trace_for(config: OffloadConfig, seed: int, n_ops: int = OPS_PER_TRACE) -> l
 
 
 def _vllm_factory(config: OffloadConfig) -> Any:
-    from kvspec.vllm_adapter import make_vllm_target
+    from kvspec.adapters.vllm import make_vllm_target
 
     return make_vllm_target(config)
 
@@ -199,7 +193,7 @@ def test_random_configurations_agree(tmp_path: Path) -> None:
 
 
 if VLLM_OK:
-    from kvspec.harness import make_state_machine
+    from kvspec.drivers.harness import make_state_machine
 
     _VllmMachine = make_state_machine(_vllm_factory, reference=make_scheduler, policy="baseline",
                                       trace_dir=os.environ.get("KVSPEC_VLLM_TRACE_DIR"))
@@ -472,8 +466,8 @@ def test_a_window_of_one_token_makes_vllm_load_into_the_null_block(monkeypatch: 
     """With a 1-token sliding window the CPU hit keeps one block at a position the allocator
     fills with the null block; vLLM registers a load into block 0, the model refuses it
     (and so does the adapter, which applies the model's check first)."""
-    from kvspec.errors import InvalidOperationError
-    from kvspec.vllm_adapter import VllmTarget
+    from kvspec.adapters.vllm import VllmTarget
+    from kvspec.contract.errors import InvalidOperationError
 
     config = _cfg(block_size=4, num_gpu_blocks=12, num_cpu_blocks=16, groups=(KVGroup(), KVGroup("sliding", 1)))
     for factory in (make_scheduler, _vllm_factory):
@@ -497,8 +491,8 @@ def test_a_window_of_one_token_makes_vllm_load_into_the_null_block(monkeypatch: 
 @pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
 def test_vllm_target_is_registered_and_baseline_only() -> None:
-    from kvspec.interfaces import GpuPool, OffloadTarget
-    from kvspec.targets import get_factory
+    from kvspec.adapters.targets import get_factory
+    from kvspec.contract.types import GpuPool, OffloadTarget
 
     target = get_factory("vllm")(CONFIGS["full-ws1"])
     assert isinstance(target, OffloadTarget)
@@ -511,7 +505,7 @@ def test_vllm_target_is_registered_and_baseline_only() -> None:
 @pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
 def test_vllm_snapshots_follow_the_snapshot_schema() -> None:
-    from kvspec.snapshot_io import snapshot_issues
+    from kvspec.contract.snapshot_io import snapshot_issues
 
     config = CONFIGS["full+sliding-ws1"]
     engine = Engine(_vllm_factory(config))
@@ -527,8 +521,8 @@ def test_vllm_snapshots_follow_the_snapshot_schema() -> None:
 def test_invariants_alone_find_the_stale_cursor_fixme_in_vllm(name: str) -> None:
     """No model as oracle: random traces on vLLM and the catalogue find C1 (the FIXME) by
     themselves, and the shrunk trace still shows it on vLLM."""
-    from kvspec.harness import run_ops
-    from kvspec.vllm_adapter import baseline_oracle, fuzz_with_invariants
+    from kvspec.adapters.vllm import baseline_oracle, fuzz_with_invariants
+    from kvspec.drivers.harness import run_ops
 
     config = CONFIGS[name]
     for seed in range(3):
@@ -549,8 +543,8 @@ def test_invariants_alone_find_the_stale_cursor_fixme_in_vllm(name: str) -> None
 @pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
 def test_vllm_keeps_what_the_baseline_claims(name: str) -> None:
     """Every invariant the baseline policy claims holds on vLLM along random traces."""
+    from kvspec.adapters.vllm import fuzz_with_invariants
     from kvspec.model.scheduler import OffloadScheduler
-    from kvspec.vllm_adapter import fuzz_with_invariants
 
     config = CONFIGS[name]
     res = fuzz_with_invariants(config, seed=11, max_traces=8, ops_per_trace=300,
@@ -564,7 +558,7 @@ def test_without_vllm_the_target_is_a_config_error(monkeypatch: pytest.MonkeyPat
     """kvspec works without vLLM; asking for the target then says how to get it."""
     import importlib.metadata
 
-    from kvspec.vllm_adapter import make_vllm_target
+    from kvspec.adapters.vllm import make_vllm_target
 
     real_version = importlib.metadata.version
 

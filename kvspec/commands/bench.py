@@ -36,15 +36,9 @@ import tracemalloc
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvspec.errors import ConfigError, echo
-from kvspec.interfaces import (
-    BlockIds,
-    CachedRequestData,
-    KVConnectorOutput,
-    NewRequestData,
-    OffloadConfig,
-    SchedulerOutput,
-)
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import ConfigError, echo
+from kvspec.contract.types import BlockIds, CachedRequestData, KVConnectorOutput, NewRequestData, SchedulerOutput
 
 NAME = "bench"
 HELP = "time planning (build_connector_meta) and completion (update_connector_output): impl vs model"
@@ -257,7 +251,7 @@ def _factory(name: str, device: str) -> Any:
         from kvspec.impl import make_scheduler
 
         return lambda cfg: make_scheduler(cfg, device=device)
-    from kvspec.targets import get_factory
+    from kvspec.adapters.targets import get_factory
 
     return get_factory(name)
 
@@ -448,7 +442,7 @@ def plan(args: argparse.Namespace) -> Plan:
                 raise ConfigError(f"--scale {r},{bpr},{cpu} ({workload}): {exc}") from None
     if "vllm" in targets:
         try:
-            from kvspec.targets import get_factory
+            from kvspec.adapters.targets import get_factory
 
             get_factory("vllm")(replace(OffloadConfig(), policy="baseline"))
         except Exception as exc:  # missing vLLM or its dependencies

@@ -17,10 +17,10 @@ from functools import partial
 from typing import Any
 
 from kvspec.commands.fuzz import budget_seconds
-from kvspec.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
-from kvspec.harness import VIOLATION, check_writable, finding_name, fuzz, save_trace
+from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
+from kvspec.drivers.harness import VIOLATION, check_writable, finding_name, fuzz, save_trace
+from kvspec.drivers.trace import Trace
 from kvspec.model.bugs import BUGS, make_bug_target
-from kvspec.trace import Trace
 
 NAME = "bugs"
 HELP = "fuzz each known-bug variant (invariants only, no reference model) and report what is found"

@@ -1,8 +1,8 @@
 """``kvspec check-snapshot FILE``: validate a snapshot file and check an oracle's invariants on it.
 
 Any engine that can dump its state in kvspec's snapshot format
-(``kvspec/schema/snapshot.schema.json``) can be checked this way, without kvspec's
-model. The oracle (``--oracle``, see ``kvspec.oracle``) is by default what the snapshot's
+(``kvspec/contract/schema/snapshot.schema.json``) can be checked this way, without kvspec's
+model. The oracle (``--oracle``, see ``kvspec.oracle.claims``) is by default what the snapshot's
 policy (``scheduler.policy``) claims under the configuration in ``engine.config``; without an
 ``engine`` section, the claims that hold under every configuration and need no engine view.
 ``--oracle all`` is the whole catalogue; ``--oracle I1,I3`` (or ``--ids I1,I3``) exactly those.
@@ -20,10 +20,17 @@ import json
 import sys
 from typing import Any
 
-from kvspec import oracle as oracles
-from kvspec.errors import EXIT_BAD_INPUT, EXIT_CLEAN, EXIT_FINDING, ConfigError, KVSpecError, SnapshotFormatError
-from kvspec.model.invariants import CATALOGUE, Violation
-from kvspec.snapshot_io import load_snapshot
+from kvspec.contract.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CLEAN,
+    EXIT_FINDING,
+    ConfigError,
+    KVSpecError,
+    SnapshotFormatError,
+)
+from kvspec.contract.snapshot_io import load_snapshot
+from kvspec.oracle import claims as oracles
+from kvspec.oracle.catalogue import CATALOGUE, Violation
 
 NAME = "check-snapshot"
 HELP = "validate a snapshot file and check an oracle's invariants on it (exit 0 clean, 1 violations, 2 bad input)"
@@ -55,7 +62,7 @@ def _claims_without_engine(policy: str) -> oracles.Oracle:
     """The claims of ``policy`` that hold under every configuration (a policy may claim an id
     only for some configurations, e.g. baseline's I8 and I10 for full attention only): the
     intersection over representative configurations."""
-    from kvspec.interfaces import KVGroup, OffloadConfig
+    from kvspec.contract.config import KVGroup, OffloadConfig
 
     candidates: list[dict[str, Any]] = [
         {"policy": policy},
@@ -82,7 +89,7 @@ def choose_oracle(snapshot: dict[str, Any], spec: str | None, option: str = "--o
     has_engine = "engine" in snapshot
     if spec is None or spec == "claims":
         if has_engine:
-            from kvspec.interfaces import OffloadConfig
+            from kvspec.contract.config import OffloadConfig
 
             try:
                 cfg = OffloadConfig.from_json(snapshot["engine"]["config"])

@@ -20,12 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvspec import oracle as oracles
-from kvspec.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
-from kvspec.harness import FuzzResult, check_writable, finding_name, fuzz, save_trace
-from kvspec.interfaces import POLICIES
-from kvspec.targets import get_factory
-from kvspec.trace import Trace
+from kvspec.adapters.targets import get_factory
+from kvspec.contract.config import POLICIES
+from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
+from kvspec.drivers.harness import FuzzResult, check_writable, finding_name, fuzz, save_trace
+from kvspec.drivers.trace import Trace
+from kvspec.oracle import claims as oracles
 
 NAME = "fuzz"
 HELP = "fuzz a target with random engine traces; write each finding as a shrunk trace"

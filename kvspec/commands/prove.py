@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from kvspec.errors import ConfigError, echo
+from kvspec.contract.errors import ConfigError, echo
 
 NAME = "prove"
 HELP = "run the Z3 proof obligations (proofs, bounded cross-checks, counterexamples, vacuity checks)"

@@ -17,11 +17,11 @@ import argparse
 import json
 from typing import Any
 
-from kvspec import oracle as oracles
-from kvspec import trace as trace_io
-from kvspec.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, TraceError, echo
-from kvspec.harness import Outcome, run_ops
-from kvspec.targets import get_factory
+from kvspec.adapters.targets import get_factory
+from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, TraceError, echo
+from kvspec.drivers import trace as trace_io
+from kvspec.drivers.harness import Outcome, run_ops
+from kvspec.oracle import claims as oracles
 
 NAME = "replay"
 HELP = "replay a trace file on a target; report the first finding (op index, invariant or crash) or divergence"

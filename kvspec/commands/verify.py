@@ -18,8 +18,8 @@ import time
 from typing import Any, Protocol
 
 from kvspec.commands.fuzz import budget_seconds
-from kvspec.errors import ConfigError
-from kvspec.harness import generate, random_config, run_ops
+from kvspec.contract.errors import ConfigError
+from kvspec.drivers.harness import generate, random_config, run_ops
 from kvspec.model import make_scheduler
 
 NAME = "verify"
@@ -56,7 +56,7 @@ def _campaign(policy: str, factory: Any, reference: Any, budget: float, seed: in
     rng = random.Random(seed)
     end = time.monotonic() + budget
     traces = ops = 0
-    from kvspec.harness import default_oracle
+    from kvspec.drivers.harness import default_oracle
 
     while time.monotonic() < end:
         cfg = random_config(rng, policy)
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         _stage(rows, f"conformance model/{policy}",
                lambda p=policy: _campaign(p, make_scheduler, None, share / 2, args.seed), quiet)
     try:
-        from kvspec.targets import get_factory
+        from kvspec.adapters.targets import get_factory
 
         impl = get_factory("impl")
     except ConfigError:
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
     def vllm() -> tuple[bool | None, str]:
         try:
-            from kvspec.targets import get_factory
+            from kvspec.adapters.targets import get_factory
 
             factory = get_factory("vllm")
             importlib.import_module("vllm")

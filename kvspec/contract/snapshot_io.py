@@ -1,10 +1,10 @@
-"""Reading and validating snapshot files against ``kvspec/schema/snapshot.schema.json``.
+"""Reading and validating snapshot files against ``kvspec/contract/schema/snapshot.schema.json``.
 
 A snapshot is what ``OffloadTarget.snapshot()`` (and the engine model's
 ``Engine.snapshot()``) returns; ``kvspec check-snapshot`` reads one from a file so
 that any engine able to dump its state in this format can be checked against the
 invariant catalogue. Validation runs in three passes, and the first problem found is
-raised as :class:`~kvspec.errors.SnapshotFormatError` naming the field path and why,
+raised as :class:`~kvspec.contract.errors.SnapshotFormatError` naming the field path and why,
 e.g. ``scheduler.reqs_to_store.R1.num_stored_blocks: expected a list of integers,
 got "x"``:
 
@@ -17,7 +17,7 @@ got "x"``:
 2. **Cross-field rules** JSON Schema cannot state: per-block lists as long as the
    pool, every block id in range for its pool, parallel lists of equal length, one
    list per KV group, and (with an ``engine`` section) agreement with its config.
-   After these passes every invariant of ``kvspec.model.invariants`` can be evaluated
+   After these passes every invariant of ``kvspec.oracle.catalogue`` can be evaluated
    on the snapshot without an index or key error.
 
 Speed: each schema node is compiled once into an exact predicate (valid or not); the
@@ -48,7 +48,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any, Literal
 
-from kvspec.errors import KVSpecError, SnapshotFormatError
+from kvspec.contract.errors import KVSpecError, SnapshotFormatError
 
 SCHEMA_RESOURCE = "snapshot.schema.json"
 
@@ -107,7 +107,7 @@ class FormatIssue:
 @cache
 def load_schema() -> dict[str, Any]:
     """The snapshot schema shipped with kvspec (checked to use only supported keywords)."""
-    text = resources.files("kvspec").joinpath("schema", SCHEMA_RESOURCE).read_text(encoding="utf-8")
+    text = resources.files("kvspec.contract").joinpath("schema", SCHEMA_RESOURCE).read_text(encoding="utf-8")
     schema: dict[str, Any] = json.loads(text)
     unsupported = sorted(_unsupported_keywords(schema))
     if unsupported:
@@ -365,7 +365,7 @@ def _json_pieces(value: object) -> Iterator[str]:
         except ValueError:  # an int too long to print (Python's digit limit)
             yield f"<integer of {value.bit_length()} bits>" if isinstance(value, int) else repr(value)
     else:
-        from kvspec.errors import echo
+        from kvspec.contract.errors import echo
 
         yield echo(value, SHOW_LIMIT)
 
@@ -997,7 +997,7 @@ def _engine_issues(s: dict[str, Any], gpu_n: int, cpu_n: int) -> Iterator[Format
             if g >= groups:
                 yield FormatIssue(_fmt_path((pool, "cached", key)), f"key names group {g}, the config has {groups}")
     try:
-        from kvspec.interfaces import OffloadConfig
+        from kvspec.contract.config import OffloadConfig
 
         OffloadConfig.from_json(cfg)
     except KVSpecError as exc:

@@ -9,7 +9,7 @@ it was (tests/test_errors.py proves it for every kind of bad input).
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvspec.snapshot_io import FormatIssue
+    from kvspec.contract.snapshot_io import FormatIssue
 
 
 class KVSpecError(Exception):
@@ -67,7 +67,7 @@ class TraceError(KVSpecError):
 class SnapshotFormatError(KVSpecError):
     """A snapshot that does not follow the schema: names the field and why."""
 
-    # Set by kvspec.snapshot_io.validate_snapshot (not by the other raisers): every problem
+    # Set by kvspec.contract.snapshot_io.validate_snapshot (not by the other raisers): every problem
     # found, and the first one's field path.
     issues: "list[FormatIssue]"
     path: str

@@ -13,15 +13,16 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from kvspec.errors import ConfigError
-from kvspec.interfaces import OffloadConfig, OffloadTarget
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import ConfigError
+from kvspec.contract.types import OffloadTarget
 
 TargetFactory = Callable[[OffloadConfig], OffloadTarget]
 
 _FACTORIES: dict[str, str] = {
     "model": "kvspec.model:make_scheduler",
     "impl": "kvspec.impl:make_scheduler",
-    "vllm": "kvspec.vllm_adapter:make_vllm_target",
+    "vllm": "kvspec.adapters.vllm:make_vllm_target",
 }
 
 

@@ -13,7 +13,7 @@ Every operation has exactly one of three outcomes, never confused:
 With a reference target the two runs must also agree (a *divergence*); a trace whose
 operation carries ``"expect": "error"`` must be rejected cleanly (else an *expectation*
 finding). ``run_ops`` is the loop; ``fuzz`` draws state-aware operations
-(``kvspec.opgen``), shrinks a finding by delta debugging and hands the unshrunk and the
+(``kvspec.drivers.opgen``), shrinks a finding by delta debugging and hands the unshrunk and the
 shrunk trace to ``on_finding`` as they exist, so an interrupt loses nothing;
 ``make_state_machine`` is the Hypothesis ``RuleBasedStateMachine`` over the same engine.
 """
@@ -29,14 +29,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvspec import oracle as oracles
-from kvspec.errors import KVSpecError
-from kvspec.interfaces import KVGroup, OffloadConfig
-from kvspec.model.engine import Engine
-from kvspec.model.invariants import Violation, check, covered_keys, owned_below_cursor
-from kvspec.opgen import next_op, random_config_kwargs
-from kvspec.targets import TargetFactory
-from kvspec.trace import Trace
+from kvspec.adapters.targets import TargetFactory
+from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.contract.errors import KVSpecError
+from kvspec.drivers.engine import Engine
+from kvspec.drivers.opgen import next_op, random_config_kwargs
+from kvspec.drivers.trace import Trace
+from kvspec.oracle import claims as oracles
+from kvspec.oracle.catalogue import Violation, check, covered_keys, owned_below_cursor
 
 VIOLATION, CRASH, DIVERGENCE, EXPECTATION = "violation", "crash", "divergence", "expectation"
 
@@ -491,7 +491,7 @@ def save_trace(trace: Trace, out_dir: str | Path, name: str) -> Path:
 
 def check_writable(out_dir: str | Path) -> None:
     """Fail early (``ConfigError``) when findings could not be written to ``out_dir``."""
-    from kvspec.errors import ConfigError
+    from kvspec.contract.errors import ConfigError
 
     directory = Path(out_dir)
     try:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvspec.errors import ConfigError, echo
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import ConfigError, echo
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Oracle:
 
 
 def catalogue_ids() -> tuple[str, ...]:
-    from kvspec.model.invariants import CATALOGUE
+    from kvspec.oracle.catalogue import CATALOGUE
 
     return tuple(CATALOGUE)
 

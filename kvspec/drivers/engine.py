@@ -40,7 +40,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvspec.errors import (
+from kvspec.contract.checks import check_count
+from kvspec.contract.errors import (
     InvalidCountError,
     InvalidOperationError,
     KVSpecError,
@@ -48,20 +49,19 @@ from kvspec.errors import (
     UnknownRequestError,
     echo,
 )
-from kvspec.interfaces import (
+from kvspec.contract.types import (
     CachedRequestData,
     ConnectorMetadata,
     KVConnectorOutput,
     NewRequestData,
     OffloadTarget,
     SchedulerOutput,
-    check_count,
 )
 from kvspec.model.block_pool import NULL_BLOCK
 from kvspec.model.hashing import BlockHash, block_hashes, chain_hash
 from kvspec.model.hit_search import find_longest_cache_hit
-from kvspec.model.invariants import observe_plan
 from kvspec.model.rules import window_floor
+from kvspec.oracle.catalogue import observe_plan
 
 WAITING, RUNNING, WAITING_FOR_REMOTE, LOADED, PREEMPTED, FINISHED = (
     "waiting", "running", "waiting_for_remote_kvs", "loaded", "preempted", "finished",
@@ -257,7 +257,7 @@ class Engine:
         sched = snap["scheduler"]
         if sched["pending_cpu_hits"] or sched["pending_finished_stores"] or sched["abandoned_store_events"]:
             return False
-        from kvspec.model.invariants import owned_below_cursor
+        from kvspec.oracle.catalogue import owned_below_cursor
 
         working_set = {key for *_, key in owned_below_cursor(snap)}
         return len(working_set) <= self.config.num_cpu_blocks - 1

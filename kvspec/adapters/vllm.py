@@ -40,7 +40,15 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, overload
 
-from kvspec.errors import (
+from kvspec.contract.checks import (
+    check_block_ids,
+    check_connector_output,
+    check_count,
+    check_free_counts,
+    check_pool_ids,
+)
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import (
     ConfigError,
     InvalidBlockError,
     InvalidCountError,
@@ -48,21 +56,15 @@ from kvspec.errors import (
     KVSpecError,
     OutOfBlocksError,
 )
-from kvspec.interfaces import (
+from kvspec.contract.snapshot import Transfer, pool_section, scheduler_section
+from kvspec.contract.types import (
     BlockIds,
     ConnectorMetadata,
     KVConnectorOutput,
-    OffloadConfig,
     RequestView,
     SchedulerOutput,
-    check_block_ids,
-    check_connector_output,
-    check_count,
-    check_free_counts,
-    check_pool_ids,
     yield_req_data,
 )
-from kvspec.snapshot import Transfer, pool_section, scheduler_section
 
 VLLM_VERSION = "0.33.0"
 NULL_BLOCK = 0
@@ -669,17 +671,17 @@ def fuzz_with_invariants(config: OffloadConfig, *, seed: int = 0, max_traces: in
                          factory: Callable[[OffloadConfig], Any] | None = None) -> InvariantFuzzResult:
     """Random engine traces on real vLLM, ``model.invariants.check`` after every operation.
 
-    Operations are drawn from the vLLM engine's own state (``kvspec.tracegen``'s
+    Operations are drawn from the vLLM engine's own state (``kvspec.drivers.tracegen``'s
     generator); no model runs. The search stops at the first violation of ``oracle``
     (default: ``baseline_oracle(config)``) or of the engine's own rules, and shrinks the
     trace by delta debugging with the same oracle, on vLLM again. Deterministic in
     ``seed``; ``factory`` defaults to ``make_vllm_target``.
     """
-    from kvspec.harness import Outcome
-    from kvspec.harness import shrink as shrink_ops
-    from kvspec.model.engine import Engine
-    from kvspec.model.invariants import check
-    from kvspec.tracegen import _Generator
+    from kvspec.drivers.engine import Engine
+    from kvspec.drivers.harness import Outcome
+    from kvspec.drivers.harness import shrink as shrink_ops
+    from kvspec.drivers.tracegen import _Generator
+    from kvspec.oracle.catalogue import check
 
     make = factory or make_vllm_target
     ids = tuple(oracle) if oracle is not None else baseline_oracle(config)

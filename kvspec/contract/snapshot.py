@@ -4,7 +4,7 @@ Every target (the model, the implementation, the vLLM adapter) turns its own sta
 plain values and builds its snapshot with these functions, so snapshots of conformant
 targets are equal as values and as JSON text. Keys of the prefix map, request ids and
 event ids are sorted; event ids become strings (JSON object keys). The format is
-described for engine authors by ``kvspec/schema/snapshot.schema.json``.
+described for engine authors by ``kvspec/contract/schema/snapshot.schema.json``.
 """
 
 from __future__ import annotations

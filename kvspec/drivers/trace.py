@@ -2,7 +2,7 @@
 
 Line 1 is the header ``{"kvspec_trace": 2, "config": {...}, "target": ..., "seed": ..., "note": ...,
 "oracle": [...], "finding": {...}}``; every further line is one engine operation
-``{"op": name, ...}`` (see ``kvspec.model.engine.Engine``). An operation that is meant to be
+``{"op": name, ...}`` (see ``kvspec.drivers.engine.Engine``). An operation that is meant to be
 rejected carries ``"expect": "error"``. Blank lines are skipped (and counted).
 
 Header keys (every one but ``kvspec_trace`` and ``config`` optional):
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from kvspec.errors import ConfigError, TraceError, echo
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import ConfigError, TraceError, echo
 
 TRACE_VERSION = 2  # written; versions 1..TRACE_VERSION are read
 MAX_INT = 1 << 20

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kvspec.model.engine import LOADED, PREEMPTED, RUNNING, WAITING, Engine
+from kvspec.drivers.engine import LOADED, PREEMPTED, RUNNING, WAITING, Engine
 
 FAMILIES = 3
 

@@ -1,4 +1,4 @@
-"""Random engine traces: valid operation sequences for ``kvspec.model.engine.Engine``.
+"""Random engine traces: valid operation sequences for ``kvspec.drivers.engine.Engine``.
 
 ``random_ops(config, rng, n_ops)`` returns ``n_ops`` operation dicts (``{"op": ...}``)
 that the engine accepts in order. To know what is valid at each point it runs a
@@ -21,7 +21,7 @@ hard:
 With ``invalid_rate > 0`` a fraction of the operations is deliberately invalid
 (unknown request or event, a second finish, admitting a running request, a zero
 chunk). Those carry ``"expect": "error"``, as in the trace format
-(``kvspec.trace``): drop that key before ``Engine.apply``, which must reject the
+(``kvspec.drivers.trace``): drop that key before ``Engine.apply``, which must reject the
 operation without changing anything. Same config, same ``rng`` state, same trace.
 """
 
@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from kvspec.errors import KVSpecError
-from kvspec.interfaces import OffloadConfig
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import KVSpecError
 
 _ACTIVE = ("waiting", "running", "waiting_for_remote_kvs", "loaded", "preempted")
 
@@ -41,8 +41,8 @@ _ACTIVE = ("waiting", "running", "waiting_for_remote_kvs", "loaded", "preempted"
 def random_ops(config: OffloadConfig, rng: random.Random, n_ops: int, *, num_families: int = 3,
                invalid_rate: float = 0.0) -> list[dict[str, Any]]:
     """``n_ops`` engine operations for ``config``, drawn with ``rng``; see the module doc."""
+    from kvspec.drivers.engine import Engine
     from kvspec.model import make_scheduler
-    from kvspec.model.engine import Engine
 
     shadow = Engine(make_scheduler(replace(config, policy="baseline")))
     gen = _Generator(config, rng, num_families)
