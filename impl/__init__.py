@@ -2,8 +2,11 @@
 
 ``make_scheduler(config, device="cpu")`` builds the target for ``config.policy`` with
 its own GPU pool; every piece of state is a tensor on ``device`` (nothing needs a
-GPU). See ``kvspec.impl.scheduler`` for the shape of the state and
-``kvspec.impl.planner`` for how a step is planned.
+GPU). Where to read on: ``kvspec.impl.scheduler`` (the shape of the state),
+``kvspec.impl.planner`` and ``kvspec.impl.segments`` (how a step is planned),
+``kvspec.impl.facade`` (what a policy sees of the scheduler), ``kvspec.impl.policies``
+and ``kvspec.impl.repair`` (the policies). Every structure has a ``_check()`` of its own
+invariants; ``TensorOffloadScheduler._check()`` runs them all.
 """
 
 from __future__ import annotations

@@ -81,19 +81,25 @@ class TensorBlockPool:
     def alloc(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pop ``n`` head blocks (ref 1, key cleared): (blocks, evicted blocks, their keys)."""
         blocks = self.free.pop_head(n)
-        kids = self.key[blocks]
-        hashed = kids >= 0
-        ev_b = ev_k = blocks[:0]
-        if bool(hashed.any()):
-            ev_b, ev_k = blocks[hashed], kids[hashed]
-            self.index.remove_many(ev_b, ev_k)
-            self.key[ev_b] = -1
-            if self.record_evictions:
-                self._evicted.extend(zip(ev_b.tolist(), map(self.keys.key, ev_k.tolist()), strict=True))
+        ev_b, ev_k = self.evict_t(blocks)
         self.ref[blocks] = 1
         if self.on_alloc is not None:
             self.on_alloc(blocks)
         return blocks, ev_b, ev_k
+
+    def evict_t(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clear the keys of the hashed blocks among distinct ``ids`` and unlist them from the
+        prefix index: (evicted blocks, their keys), in order. O(len)."""
+        kids = self.key[ids]
+        hashed = kids >= 0
+        if not bool(hashed.any()):
+            return ids[:0], ids[:0]
+        ev_b, ev_k = ids[hashed], kids[hashed]
+        self.index.remove_many(ev_b, ev_k)
+        self.key[ev_b] = -1
+        if self.record_evictions:
+            self._evicted.extend(zip(ev_b.tolist(), map(self.keys.key, ev_k.tolist()), strict=True))
+        return ev_b, ev_k
 
     def touch_t(self, ids: torch.Tensor) -> None:
         """+1 per listing; blocks at ref 0 leave the free queue."""
@@ -229,6 +235,22 @@ class TensorBlockPool:
     def _validate(self, block_ids: Iterable[Any], what: str, allow_null: bool = False) -> list[int]:
         return check_id_list(block_ids, self.num_blocks, self.name, what, allow_null)
 
+    def _check(self) -> None:
+        """The free list's and the prefix index's own invariants, then the pool's: ref counts are
+        >= 0; the null block is free, unhashed and never queued; a block is queued iff its ref
+        count is 0 (I1); the index shares the pool's key tensor; key ids were handed out.
+        O(blocks + key ids)."""
+        self.free._check()
+        self.index._check()
+        assert self.index.block_key is self.key, f"{self.name}: the prefix index reads another key tensor"
+        ref, key, pos = self.ref.tolist(), self.key.tolist(), self.free.position.tolist()
+        assert ref[NULL_BLOCK] == 0 and key[NULL_BLOCK] == -1, f"{self.name}: null block used"
+        assert pos[NULL_BLOCK] < 0, f"{self.name}: the null block is queued"
+        for b in range(1, self.num_blocks):
+            assert ref[b] >= 0, f"{self.name}: block {b} ref {ref[b]} < 0"
+            assert (pos[b] >= 0) == (ref[b] == 0), f"{self.name}: block {b} is queued iff its ref is 0 (I1)"
+        assert max(key) < max(self.keys.key_capacity, 1), f"{self.name}: key id never handed out"
+
     # -- views the engine reads ----------------------------------------------------------------------
 
     @property
@@ -265,7 +287,7 @@ class TensorBlockPool:
 
     def memory_bytes(self) -> int:
         """Bytes of bookkeeping tensors (payloads excluded)."""
-        ts = [self.ref, self.key, self.free.ring, self.free.pos, self.index.nxt, self.index.prv,
+        ts = [self.ref, self.key, self.free.ring, self.free.position, self.index.nxt, self.index.prv,
               self.index.first, self.index.last, self.index.stamp]
         return sum(t.numel() * t.element_size() for t in ts)
 

@@ -30,7 +30,7 @@ class FreeList:
         self.device = device
         self.capacity = 4 * num_blocks + 16
         self.ring = torch.full((self.capacity,), -1, dtype=torch.int64, device=device)
-        self.pos = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
+        self.position = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
         self.h = self.t = self.capacity // 2
         self.count = 0
         self.append(initial)
@@ -39,7 +39,7 @@ class FreeList:
         return self.count
 
     def contains(self, block: int) -> bool:
-        return bool(self.pos[block] >= 0)
+        return bool(self.position[block] >= 0)
 
     # -- reading --------------------------------------------------------------------------
 
@@ -73,7 +73,7 @@ class FreeList:
         if cursor is None:
             start = self.h
         else:
-            p = int(self.pos[cursor])
+            p = int(self.position[cursor])
             if p < 0:
                 return self.ring[:0]
             start = p + 1
@@ -83,7 +83,7 @@ class FreeList:
 
     def pop_head(self, n: int) -> torch.Tensor:
         ids, stop = self._first_live(self.h, n)
-        self.pos[ids] = -1
+        self.position[ids] = -1
         self.h = stop  # slots outside [h, t) are never read, so they need no clearing
         self.count -= ids.numel()
         if self.count == 0:
@@ -94,8 +94,8 @@ class FreeList:
         """Unlink queued, distinct ``ids`` from anywhere in the queue."""
         if ids.numel() == 0:
             return
-        self.ring[self.pos[ids]] = -1
-        self.pos[ids] = -1
+        self.ring[self.position[ids]] = -1
+        self.position[ids] = -1
         self.count -= ids.numel()
         if self.count == 0:
             self.h = self.t = self.capacity // 2
@@ -109,7 +109,7 @@ class FreeList:
         if self.t + m > self.capacity:
             self._compact((self.capacity - self.count - m) // 2)
         self.ring[self.t : self.t + m] = ids
-        self.pos[ids] = torch.arange(self.t, self.t + m, dtype=torch.int64, device=self.device)
+        self.position[ids] = torch.arange(self.t, self.t + m, dtype=torch.int64, device=self.device)
         self.t += m
         self.count += m
 
@@ -121,7 +121,7 @@ class FreeList:
         if self.h - m < 0:
             self._compact((self.capacity - self.count + m) // 2)
         self.ring[self.h - m : self.h] = ids
-        self.pos[ids] = torch.arange(self.h - m, self.h, dtype=torch.int64, device=self.device)
+        self.position[ids] = torch.arange(self.h - m, self.h, dtype=torch.int64, device=self.device)
         self.h -= m
         self.count += m
 
@@ -129,5 +129,20 @@ class FreeList:
         live = self.order().clone()
         n = live.numel()
         self.ring[start : start + n] = live
-        self.pos[live] = torch.arange(start, start + n, dtype=torch.int64, device=self.device)
+        self.position[live] = torch.arange(start, start + n, dtype=torch.int64, device=self.device)
         self.h, self.t = start, start + n
+
+    # -- self-check ---------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        """The ring's live span ``[h, t)`` holds ``count`` live ids, each exactly where its ``pos``
+        says, and no other block has a ring slot. O(span + blocks)."""
+        assert 0 <= self.h <= self.t <= self.capacity, f"free list: span [{self.h}, {self.t}) out of the ring"
+        pos = self.position.tolist()
+        live = 0
+        for slot, b in enumerate(self.ring[self.h : self.t].tolist(), start=self.h):
+            if b >= 0:
+                live += 1
+                assert b < len(pos) and pos[b] == slot, f"free list: block {b} at slot {slot}, its pos is not"
+        assert live == self.count, f"free list: {live} live entries, count {self.count}"
+        assert sum(1 for p in pos if p >= 0) == self.count, "free list: a block has a slot but is not queued"

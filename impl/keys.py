@@ -114,3 +114,15 @@ class KeyTable:
             self._seed_t[self._seed_n : n] = int_tensor(self._seeds[self._seed_n :], self.device)
             self._seed_n = n
         return self._seed_t[torch.div(kids, self.num_groups, rounding_mode="floor")]
+
+    def _check(self) -> None:
+        """Each interned text or odd key maps to the id whose entry it is, one seed per id, and
+        the seed tensor mirrors the seeds copied so far. O(hash ids)."""
+        assert len(self._seeds) == len(self._text) == len(self._hid) + len(self._odd), "key table: sizes"
+        assert all(self._text[h] == text for text, h in self._hid.items()), "key table: hash ids"
+        G = self.num_groups
+        assert all(kid % G == 0 and self._text[kid // G] == key for key, kid in self._odd.items()), \
+            "key table: odd keys"
+        assert self._seed_n <= min(len(self._seeds), self._seed_t.numel()), "key table: seeds copied"
+        assert self._seed_t[: self._seed_n].tolist() == self._seeds[: self._seed_n], "key table: seed tensor"
+

@@ -162,3 +162,37 @@ class PrefixIndex:
         self.last.fill_(-1)
         self.nxt.fill_(-1)
         self.prv.fill_(-1)
+
+    # -- self-check ---------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        """Each present key's chain runs from ``first`` to ``last`` through blocks of that key,
+        with ``prv`` the reverse of ``nxt``, and the chains hold every hashed block, once;
+        unhashed blocks are unlinked; the sentinel slot reads -1; present keys have distinct
+        stamps below the clock. O(blocks + key ids)."""
+        key, nxt, prv = self.block_key.tolist(), self.nxt.tolist(), self.prv.tolist()
+        first, last = self.first.tolist(), self.last.tolist()
+        assert len(first) == len(last) == self.stamp.numel(), "prefix index: per-key sizes"
+        assert first[-1] == -1 and last[-1] == -1, "prefix index: the sentinel slot is used"
+        hashed = 0
+        for b, k in enumerate(key):
+            if k < 0:
+                assert nxt[b] == -1 and prv[b] == -1, f"prefix index: unhashed block {b} is linked"
+            else:
+                assert k < len(first) - 1, f"prefix index: block {b}'s key id {k} beyond the capacity"
+                hashed += 1
+        present = [k for k, f in enumerate(first) if f >= 0]
+        assert present == [k for k, t in enumerate(last) if t >= 0], "prefix index: a chain without two ends"
+        visited = 0
+        for k in present:
+            b, before = first[k], -1
+            while b >= 0:
+                visited += 1
+                assert visited <= hashed, "prefix index: a chain closes on itself"
+                assert key[b] == k and prv[b] == before, f"prefix index: block {b} in the chain of key {k}"
+                before, b = b, nxt[b]
+            assert last[k] == before, f"prefix index: key {k}'s chain does not end at its last"
+        assert visited == hashed, "prefix index: a hashed block is in no chain"
+        stamps = self.stamp[present].tolist()
+        assert all(x < self.clock for x in stamps) and len(set(stamps)) == len(stamps), \
+            "prefix index: stamps of present keys"

@@ -227,3 +227,39 @@ class StoreTable:
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.cursor, self.length, self.table))
+
+    # -- self-check ---------------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        """Slots: every per-slot list has one entry per slot, the tensors at least as many rows;
+        each slot is either a request's (``slot_of`` and ``rid`` agree) or free and empty; the
+        finished count is right. Ids: lengths within the capacity, cursors and lengths >= 0.
+        Hash ids: a prefix of the request's hashes' ids, and the tensor copy (``hid_tab``) holds
+        the first ``hid_done`` of them. O(slots + hash ids)."""
+        n = self.slots
+        lists = (self.rid, self.request, self.events, self.finished, self.hids, self.hid_done)
+        assert all(len(x) == n for x in lists), "store table: per-slot lists of different lengths"
+        rows = {t.shape[0] for t in (self.cursor, self.length, self.table, self.hid_len, self.hid_tab)}
+        assert len(rows) == 1 and rows.pop() >= n and self.table.shape[2] == self.capacity, "store table: shapes"
+        free = set(self._free_slots)
+        assert len(free) == len(self._free_slots) and free.isdisjoint(self.slot_of.values()), "store table: free slots"
+        assert len(free) + len(self.slot_of) == n, "store table: a slot is neither used nor free"
+        for s in free:
+            assert self.rid[s] is None and self.request[s] is None and not self.events[s], f"free slot {s} in use"
+            assert not self.finished[s] and not self.hids[s] and self.hid_done[s] == 0, f"free slot {s} not cleared"
+        assert self.num_finished == sum(self.finished), "store table: finished count"
+        assert bool((self.cursor[:n] >= 0).all()) and bool((self.length[:n] >= 0).all()), "store table: negative"
+        assert not bool((self.length > self.capacity).any()), "store table: ids beyond the capacity"
+        assert self.hid_len[:n].tolist() == self.hid_done, "store table: hid_len and hid_done disagree"
+        copied = self.hid_tab[:n].tolist()
+        for rid, s in self.slot_of.items():
+            self._check_slot(rid, s, copied[s])
+
+    def _check_slot(self, rid: str, s: int, copied: list[int]) -> None:
+        assert self.rid[s] == rid and self.request[s] is not None, f"{rid}: slot {s} names another request"
+        have, done = self.hids[s], self.hid_done[s]
+        hashes = self.request[s].block_hashes
+        assert len(have) <= len(hashes) and done <= len(have), f"{rid}: hash ids beyond the hashes"
+        assert have == [self.keys.known_hash_id(h) for h in hashes[: len(have)]], f"{rid}: stale hash ids"
+        assert copied[:done] == have[:done], f"{rid}: hash id tensor out of step"
+

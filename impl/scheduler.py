@@ -4,20 +4,27 @@ State lives in tensors: both pools (``TensorBlockPool``), the in-flight GPU set 
 bool per GPU block), per-request store cursors and ids (``StoreTable``), KV payloads
 (``PayloadStore``). Loads, events and pins are small per-request records in dicts, in
 vLLM's order. Planning a step is batched across requests and groups
-(``kvspec.impl.planner``); lazy planning walks the GPU free list in one slice. The
-re-store policy is a strategy object (``kvspec.impl.policies``).
+(``kvspec.impl.planner``, over the segments of ``kvspec.impl.segments``); lazy planning
+walks the GPU free list in one slice. The re-store policy is the class
+``POLICY_REGISTRY[config.policy].impl`` names; it sees this scheduler as a
+``SchedulerFacade`` (``kvspec.impl.facade``), whose members are this class's planning
+section.
 
 Every public method checks its input with the shared checks of
 ``kvspec.contract`` before changing anything and raises the same ``KVSpecError``
-subclasses as the model; ``snapshot()`` is the model's canonical format, key for key.
+subclasses as the model; ``snapshot()`` is the model's canonical format, key for key;
+``_check()`` asserts every structure's own invariants (the stateful harness calls it
+after every operation).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
-from typing import Any, cast
+from itertools import repeat
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,30 +38,27 @@ from kvspec.contract.checks import (
 )
 from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import InvalidOperationError
-from kvspec.contract.snapshot import Transfer, scheduler_section
+from kvspec.contract.policy import POLICY_REGISTRY
+from kvspec.contract.snapshot import Transfer as TransferPair
+from kvspec.contract.snapshot import scheduler_section
 from kvspec.contract.types import BlockIds, ConnectorMetadata, KVConnectorOutput, RequestView, SchedulerOutput
+from kvspec.impl import batched_rules
 from kvspec.impl.block_pool import TensorBlockPool
 from kvspec.impl.convert import int_tensor
+from kvspec.impl.facade import FlushCandidates, ImplStorePolicy, SchedulerFacade
 from kvspec.impl.hit_search import longest_hit
 from kvspec.impl.keys import KeyTable
 from kvspec.impl.payload import PayloadStore
-from kvspec.impl.planner import Candidates, decide, layout
+from kvspec.impl.planner import Candidates, Layout, PoolReads, SameStepDedup, candidate_layout, decide
 from kvspec.impl.request_table import StoreTable
+from kvspec.impl.segments import BatchRequests, ScanBatch, Segmenter
+from kvspec.impl.transfers import Evictions, StoreBatch, Transfer
 
 
 @dataclass
-class Xfer:
-    """A transfer: GPU and CPU block ids (tensors) in pair order."""
+class PendingHit:
+    """A lookup's CPU hit, pinned until allocation consumes it."""
 
-    gpu: torch.Tensor
-    cpu: torch.Tensor
-
-    def pair(self) -> Transfer:
-        return self.gpu.tolist(), self.cpu.tolist()
-
-
-@dataclass
-class Hit:
     blocks: list[list[int]]
     hit_len: int
     num_computed_tokens: int
@@ -62,43 +66,38 @@ class Hit:
 
 
 @dataclass
-class Load:
+class LoadState:
     request: RequestView
-    xfer: Xfer
+    transfer: Transfer
     load_event: int | None = None
     finished: bool = False
 
 
-@dataclass
-class Segment:
-    """Occurrences of requests in a scheduler output, in order (parallel lists)."""
+class LoadPairs(NamedTuple):
+    """A load's block pairs, in order."""
 
-    rids: list[str]
-    ids: list[Any]
-    full: list[bool]
-    slots: list[int]
+    gpu: list[int]
+    cpu: list[int]
 
 
-@dataclass
-class StepBatch:
-    gpu: list[torch.Tensor]
-    cpu: list[torch.Tensor]
-    req_ids: list[str]
-
-
+def _load_policy(name: str, host: SchedulerFacade) -> ImplStorePolicy:
+    """The policy class ``POLICY_REGISTRY[name].impl`` names (``module:attribute``), built on ``host``."""
+    module, _, attribute = POLICY_REGISTRY[name].impl.partition(":")
+    policy_class: Callable[[SchedulerFacade], ImplStorePolicy] = getattr(importlib.import_module(module), attribute)
+    return policy_class(host)
 
 
 class TensorOffloadScheduler:
+    """An ``OffloadTarget`` on tensors (module docstring); to its policy, a ``SchedulerFacade``."""
+
     def __init__(self, config: OffloadConfig, device: str | torch.device = "cpu",
                  block_shape: tuple[int, ...] = (2, 8), dtype: torch.dtype = torch.float32) -> None:
-        from kvspec.impl.policies import make_policy
-
         config.validate()
         self.config = config
         self.device = torch.device(device)
-        self.B = config.block_size
-        self.G = config.num_groups
-        self.keys = KeyTable(self.G, self.device)
+        self.block_size = config.block_size
+        self.num_groups = config.num_groups
+        self.keys = KeyTable(self.num_groups, self.device)
         self.gpu_pool = TensorBlockPool(config.num_gpu_blocks, "gpu", self.keys, self.device)
         self.cpu_pool = TensorBlockPool(config.num_cpu_blocks, "cpu", self.keys, self.device)
         self.gpu_pool.record_evictions = False
@@ -110,91 +109,92 @@ class TensorOffloadScheduler:
         self.lazy_mode = config.lazy_offload
         self.target_free = config.lazy_target_free()
         self.lazy_cursor: int | None = None
-        self.reqs_to_load: dict[str, Load] = {}
+        self.reqs_to_load: dict[str, LoadState] = {}
         self.load_event_to_reqs: dict[int, list[str]] = {}
-        self.abandoned_reqs_to_load: dict[str, Load] = {}
-        self.pending_cpu_hits: dict[str, Hit] = {}
-        self.store_events: dict[int, Xfer] = {}
-        self.abandoned_store_events: dict[int, Xfer] = {}
-        self.pending_finished_stores: list[Xfer] = []
+        self.abandoned_reqs_to_load: dict[str, LoadState] = {}
+        self.pending_cpu_hits: dict[str, PendingHit] = {}
+        self.store_events: dict[int, Transfer] = {}
+        self.abandoned_store_events: dict[int, Transfer] = {}
+        self.pending_finished_stores: list[Transfer] = []
         self.store_event_to_reqs: dict[int, list[str]] = {}
-        self.stores = StoreTable(self.G, self.keys, self.device)
+        self.stores = StoreTable(self.num_groups, self.keys, self.device)
         self.in_flight = torch.zeros(config.num_gpu_blocks, dtype=torch.bool, device=self.device)
-        self._memo: tuple[list[str], int, list[int]] | None = None
-        self._memo_sl: tuple[torch.Tensor, list[Any]] | None = None
-        self._scratch = torch.zeros(config.num_gpu_blocks, dtype=torch.int64, device=self.device)
-        self._stamp = 0
+        self._segments = Segmenter(self.stores, self.device)
+        self._dedup = SameStepDedup(torch.zeros(config.num_gpu_blocks, dtype=torch.int64, device=self.device), 0)
         self._min_scheduled = 0  # smallest num_scheduled_tokens value of the output being planned
         self.load_event_counter = 0
         self.store_event_counter = 0
         self.store_event_pending_counts: dict[int, int] = {}
-        self.policy = make_policy(config.policy, self)
+        host: SchedulerFacade = self
+        self.policy: ImplStorePolicy = _load_policy(config.policy, host)
 
     # == loads =====================================================================================
 
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
         check_request(request, "get_num_new_matched_tokens")
         check_count(num_computed_tokens, "num_computed_tokens", request.num_tokens)
+        B, G = self.block_size, self.num_groups
         stale = self.pending_cpu_hits.pop(request.request_id, None)
         if stale is not None:
             self.cpu_pool.free_t(stale.pinned)
-        if request.skip_reading_prefix_cache or num_computed_tokens % self.B:
+        if request.skip_reading_prefix_cache or num_computed_tokens % B:
             return 0, False
-        hashes = request.block_hashes[num_computed_tokens // self.B:]
+        hashes = request.block_hashes[num_computed_tokens // B:]
         max_len = request.num_tokens - 1 - num_computed_tokens
         if not hashes or max_len <= 0:
             return 0, False
-        hids = [self.keys.known_hash_id(h) for h in hashes[: max_len // self.B]]
+        hids = [self.keys.known_hash_id(h) for h in hashes[: max_len // B]]
         if not hids or max(hids) < 0:
             return 0, False
         h = int_tensor(hids, self.device)
-        kids = torch.where(h >= 0, h.view(1, -1) * self.G + torch.arange(self.G, device=self.device).view(-1, 1), -1)
+        kids = torch.where(h >= 0, h.view(1, -1) * G + torch.arange(G, device=self.device).view(-1, 1), -1)
         firsts = self.cpu_pool.first_of(kids).tolist()
-        blocks, hit_len = longest_hit(firsts, self.config.groups, max_len, self.B)
+        blocks, hit_len = longest_hit(firsts, self.config.groups, max_len, B)
         if hit_len == 0:
             return 0, False
         pinned = self.cpu_pool.as_ids([b for g in blocks for b in g if b != 0])
         self.cpu_pool.touch_t(pinned)
-        self.pending_cpu_hits[request.request_id] = Hit(blocks, hit_len, num_computed_tokens, pinned)
+        self.pending_cpu_hits[request.request_id] = PendingHit(blocks, hit_len, num_computed_tokens, pinned)
         return hit_len, True
 
     def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds, num_external_tokens: int) -> None:
         rid = check_request(request, "update_state_after_alloc")
-        ids = check_block_ids(block_ids, self.G, self.gpu_pool.num_blocks, "update_state_after_alloc",
-                                none_groups=False)
+        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "update_state_after_alloc",
+                              none_groups=False)
         check_count(num_external_tokens, "num_external_tokens", request.num_tokens)
         pending = self.pending_cpu_hits.get(rid)
-        load: tuple[list[int], list[int]] | None = None
+        load: LoadPairs | None = None
         if num_external_tokens > 0 and pending is not None:
-            if num_external_tokens % self.B:
-                raise InvalidOperationError(
-                    f"{name_of(rid)}: num_external_tokens {num_external_tokens} is not a multiple of "
-                    f"the block size {self.B}")
-            if num_external_tokens > pending.hit_len:
-                raise InvalidOperationError(
-                    f"{name_of(rid)}: accepted {num_external_tokens} external tokens of a {pending.hit_len}-token hit")
-            if rid in self.reqs_to_load:
-                raise InvalidOperationError(f"{name_of(rid)}: a load is already registered")
+            self._check_load(rid, pending, num_external_tokens)
             load = self._load_pairs(rid, ids, pending, num_external_tokens)
         if not self.lazy_mode and rid not in self.stores:
             self.stores.add(rid, request)
         self.pending_cpu_hits.pop(rid, None)
-        if pending is None or num_external_tokens == 0 or load is None:
+        if pending is None or load is None:
             if pending is not None:
                 self.cpu_pool.free_t(pending.pinned)
             return
-        gpu = self.gpu_pool.as_ids(load[0])
-        cpu = self.cpu_pool.as_ids(load[1])
+        gpu = self.gpu_pool.as_ids(load.gpu)
+        cpu = self.cpu_pool.as_ids(load.cpu)
         self.cpu_pool.touch_t(cpu)
         self.cpu_pool.free_t(pending.pinned)
         self.gpu_pool.touch_t(gpu)
-        self.reqs_to_load[rid] = Load(request, Xfer(gpu, cpu))
+        self.reqs_to_load[rid] = LoadState(request, Transfer(gpu, cpu))
 
-    def _load_pairs(self, rid: str, ids: BlockIds, pending: Hit, ext: int) -> tuple[list[int], list[int]]:
-        gpu: list[int] = []
-        cpu: list[int] = []
-        start = pending.num_computed_tokens // self.B
-        take = -(-ext // self.B)
+    def _check_load(self, rid: str, pending: PendingHit, ext: int) -> None:
+        if ext % self.block_size:
+            raise InvalidOperationError(
+                f"{name_of(rid)}: num_external_tokens {ext} is not a multiple of the block size {self.block_size}")
+        if ext > pending.hit_len:
+            raise InvalidOperationError(
+                f"{name_of(rid)}: accepted {ext} external tokens of a {pending.hit_len}-token hit")
+        if rid in self.reqs_to_load:
+            raise InvalidOperationError(f"{name_of(rid)}: a load is already registered")
+
+    def _load_pairs(self, rid: str, ids: BlockIds, pending: PendingHit, ext: int) -> LoadPairs:
+        load = LoadPairs([], [])
+        start = pending.num_computed_tokens // self.block_size
+        take = -(-ext // self.block_size)
         for g, hits in enumerate(pending.blocks):
             for i, cb in enumerate(hits[:take]):
                 if cb == 0:
@@ -202,9 +202,9 @@ class TensorOffloadScheduler:
                 if start + i >= len(ids[g]) or ids[g][start + i] == 0:
                     raise InvalidOperationError(
                         f"{name_of(rid)}: group {g} has no allocated GPU block at position {start + i} for the load")
-                gpu.append(ids[g][start + i])
-                cpu.append(cb)
-        return gpu, cpu
+                load.gpu.append(ids[g][start + i])
+                load.cpu.append(cb)
+        return load
 
     # == planning ==================================================================================
 
@@ -214,226 +214,175 @@ class TensorOffloadScheduler:
         if self.lazy_mode:
             batch = self._plan_lazy()
         else:
-            batch = StepBatch([], [], [])
+            batch = StoreBatch()
             self.policy.plan_eager(out, batch)
         for t in self.pending_finished_stores:
-            batch.gpu.append(t.gpu)
-            batch.cpu.append(t.cpu)
+            batch.add(t.gpu, t.cpu)
         self.pending_finished_stores.clear()
         meta = ConnectorMetadata(need_flush=bool(out.preempted_req_ids))
-        gpu = (batch.gpu[0] if len(batch.gpu) == 1 else torch.cat(batch.gpu)) if batch.gpu else None
-        if gpu is not None and gpu.numel():
-            cpu = batch.cpu[0] if len(batch.cpu) == 1 else torch.cat(batch.cpu)
-            e = self.store_event_counter
-            self.store_event_counter += 1
-            self.store_events[e] = Xfer(gpu, cpu)
-            if batch.req_ids:
-                self.store_event_to_reqs[e] = batch.req_ids
-                slot_of, events = self.stores.slot_of, self.stores.events
-                try:  # every listed request has a slot (the usual step): C-level passes
-                    deque(map(set.add, map(events.__getitem__, map(slot_of.__getitem__, batch.req_ids)),
-                              repeat(e)), maxlen=0)
-                except KeyError:  # set.add is idempotent: redo it request by request
-                    for r in batch.req_ids:
-                        s = slot_of.get(r)
-                        if s is not None:
-                            events[s].add(e)
-            meta.store_event = e
-            meta.store_gpu_blocks = gpu.tolist()
-            meta.store_cpu_blocks = cpu.tolist()
-        unsent = [r for r, st in self.reqs_to_load.items() if st.load_event is None]
-        if unsent:
-            e = self.load_event_counter
-            self.load_event_counter += 1
-            for r in unsent:
-                st = self.reqs_to_load[r]
-                st.load_event = e
-                meta.load_gpu_blocks += st.xfer.gpu.tolist()
-                meta.load_cpu_blocks += st.xfer.cpu.tolist()
-            self.load_event_to_reqs[e] = unsent
-            meta.load_event = e
+        self._make_store_event(batch, meta)
+        self._make_load_event(meta)
         meta.load_event_to_reqs = {e: list(rs) for e, rs in self.load_event_to_reqs.items()}
         return meta
+
+    def _make_store_event(self, batch: StoreBatch, meta: ConnectorMetadata) -> None:
+        """At most one store event per step: the batch's pairs, if any."""
+        gpu = (batch.gpu[0] if len(batch.gpu) == 1 else torch.cat(batch.gpu)) if batch.gpu else None
+        if gpu is None or not gpu.numel():
+            return
+        cpu = batch.cpu[0] if len(batch.cpu) == 1 else torch.cat(batch.cpu)
+        e = self.store_event_counter
+        self.store_event_counter += 1
+        self.store_events[e] = Transfer(gpu, cpu)
+        if batch.req_ids:
+            self.store_event_to_reqs[e] = batch.req_ids
+            self._note_store_event(e, batch.req_ids)
+        meta.store_event = e
+        meta.store_gpu_blocks = gpu.tolist()
+        meta.store_cpu_blocks = cpu.tolist()
+
+    def _note_store_event(self, e: int, req_ids: list[str]) -> None:
+        """Add ``e`` to the store events of every listed request that has a slot."""
+        slot_of, events = self.stores.slot_of, self.stores.events
+        try:  # every listed request has a slot (the usual step): C-level passes
+            deque(map(set.add, map(events.__getitem__, map(slot_of.__getitem__, req_ids)), repeat(e)), maxlen=0)
+        except KeyError:  # set.add is idempotent: redo it request by request
+            for r in req_ids:
+                s = slot_of.get(r)
+                if s is not None:
+                    events[s].add(e)
+
+    def _make_load_event(self, meta: ConnectorMetadata) -> None:
+        """At most one load event per step: every registered load not sent yet."""
+        unsent = [r for r, st in self.reqs_to_load.items() if st.load_event is None]
+        if not unsent:
+            return
+        e = self.load_event_counter
+        self.load_event_counter += 1
+        for r in unsent:
+            st = self.reqs_to_load[r]
+            st.load_event = e
+            meta.load_gpu_blocks += st.transfer.gpu.tolist()
+            meta.load_cpu_blocks += st.transfer.cpu.tolist()
+        self.load_event_to_reqs[e] = unsent
+        meta.load_event = e
 
     def _check_scheduler_output(self, out: SchedulerOutput) -> None:
         """Every field the planning reads, shapes first (``kvspec.contract.checks.check_scheduler_output``);
         notes the smallest scheduled count (0 when none) for the planner's fast path."""
-        self._min_scheduled = check_scheduler_output(out, self.G, self.gpu_pool.num_blocks)
+        self._min_scheduled = check_scheduler_output(out, self.num_groups, self.gpu_pool.num_blocks)
 
-    def _ready(self, reqs: list[Any], lengths: torch.Tensor) -> torch.Tensor:
-        """Confirmed full blocks per (request, group): computed minus placeholders, capped at the ids."""
-        done = int_tensor([r.num_computed_tokens - r.num_output_placeholders for r in reqs], self.device)
-        conf = torch.div(done.clamp_(min=0), self.B, rounding_mode="floor")
-        return torch.minimum(lengths, conf.view(-1, 1))
+    # -- the policy's view (SchedulerFacade) ------------------------------------------------------
 
-    def eager_segments(self, out: SchedulerOutput) -> list[Segment]:
-        """Preemption reset; then the registered, unfinished requests' occurrences in vLLM's order,
-        split so that no slot repeats inside a segment (vLLM applies a request listed twice one
-        occurrence after the other)."""
-        st = self.stores
-        if out.preempted_req_ids:
-            st.reset_rows([st.slot_of[r] for r in out.preempted_req_ids if r in st.slot_of], True)
-        cr = out.scheduled_cached_reqs
-        new = out.scheduled_new_reqs
-        rids: list[str] = [nr.req_id for nr in new] + cr.req_ids if new else cr.req_ids
-        new_ids: list[BlockIds | None] = [nr.block_ids for nr in new]
-        ids = new_ids + cr.new_block_ids if new else cr.new_block_ids
-        if cr.resumed_req_ids:
-            full = [True] * len(new) + [r in cr.resumed_req_ids for r in cr.req_ids]
-        else:
-            full = [True] * len(new) + [False] * len(cr.req_ids)
-        memo = self._memo
-        if not new and memo is not None and memo[1] == st.version and rids == memo[0]:
-            return [Segment(memo[0], ids, full, memo[2])]  # the same running batch as last step
-        found = list(map(st.slot_of.get, rids))
-        slots: list[int]
-        if None in found or st.num_finished:
-            fin = st.finished
-            keep = [s is not None and not fin[s] for s in found]
-            rids, ids, full = list(compress(rids, keep)), list(compress(ids, keep)), list(compress(full, keep))
-            slots = [s for s in compress(found, keep) if s is not None]  # keep is False for every None
-        else:
-            slots = cast("list[int]", found)  # no None in it
-        if len(set(slots)) == len(slots):
-            if not new:
-                self._memo = (list(rids), st.version, slots)
-                self._memo_sl = None
-            return [Segment(rids, ids, full, slots)]
-        segs = [Segment([], [], [], [])]
-        seen: set[int] = set()
-        for rid, block_ids, is_full, slot in zip(rids, ids, full, slots, strict=True):
-            if slot in seen:
-                segs.append(Segment([], [], [], []))
-                seen = set()
-            seen.add(slot)
-            seg = segs[-1]
-            seg.rids.append(rid)
-            seg.ids.append(block_ids)
-            seg.full.append(is_full)
-            seg.slots.append(slot)
-        return segs
+    def scheduled_segments(self, out: SchedulerOutput) -> Iterator[ScanBatch]:
+        segments = self._segments.split(out)  # the preemption reset happens here, before any scan
+        return (self._segments.apply(seg, out, self._min_scheduled) for seg in segments)
 
-    def apply_segment(self, seg: Segment, out: SchedulerOutput) -> tuple[list[str], list[int]]:
-        """Accumulate a segment's ids (full tables replace); the rids and slots to scan."""
-        if any(seg.full):
-            self.stores.reset_rows(list(compress(seg.slots, seg.full)), False)
-        if seg.ids.count(None) != len(seg.ids):
-            app: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
-            for ids, s in zip(seg.ids, seg.slots, strict=True):
-                if ids is not None:
-                    for g, gids in enumerate(ids):
-                        if gids:
-                            app[0].append(s)
-                            app[1].append(g)
-                            app[2].append(len(gids))
-                            app[3].extend(gids)
-            if app[0]:
-                self.stores.append(*app)
-        sched = out.num_scheduled_tokens
-        if self._min_scheduled > 0 and len(sched) == len(seg.rids) and list(sched) == seg.rids:
-            return seg.rids, seg.slots  # every listed request is scheduled (the usual step)
-        want = list(map(sched.get, seg.rids))
-        if all(want):
-            return seg.rids, seg.slots
-        return list(compress(seg.rids, want)), list(compress(seg.slots, want))
+    def batch_requests(self, slots: list[int]) -> BatchRequests:
+        return self._segments.batch_requests(slots)
 
-    def plan_scan(self, rids: list[str], slots: list[int], batch: StepBatch, rescan: bool) -> None:
+    def ready_blocks(self, requests: Sequence[Any], lengths: torch.Tensor) -> torch.Tensor:
+        """``rules.ready_blocks`` per (request, group), batched: computed tokens minus output
+        placeholders, in whole blocks, capped at the ids. O(k * G)."""
+        done = int_tensor([r.num_computed_tokens - r.num_output_placeholders for r in requests], self.device)
+        return batched_rules.ready_blocks(done, lengths, self.block_size)
+
+    def scan_and_store(self, batch: ScanBatch, step: StoreBatch, rescan: bool) -> None:
         """Decide requests (distinct slots) in batches; commit each (baseline, signal-rescan)."""
+        rids, slots = batch
         while slots:
-            cut = self._plan_batch(rids, slots, batch, rescan)
+            cut = self._plan_batch(rids, slots, step, rescan)
             rids, slots = rids[cut:], slots[cut:]
 
-    def batch_requests(self, slots: list[int]) -> tuple[torch.Tensor, list[Any]]:
-        """The slots as a tensor and their request objects (kept while the running batch is unchanged)."""
-        memo = self._memo
-        if memo is not None and slots is memo[2]:
-            if self._memo_sl is None:
-                self._memo_sl = (int_tensor(slots, self.device), list(map(self.stores.request.__getitem__, slots)))
-            return self._memo_sl
-        return int_tensor(slots, self.device), list(map(self.stores.request.__getitem__, slots))
+    def _pool_reads(self) -> PoolReads:
+        self.cpu_pool.index.ensure(self.keys.key_capacity)
+        return PoolReads(self.gpu_pool.key, self.in_flight, self.cpu_pool.index.first_known, self.cpu_pool.key,
+                         self.cpu_pool.free.peek_head, self.cpu_pool.free.count)
 
-    def _plan_batch(self, rids: list[str], slots: list[int], batch: StepBatch, rescan: bool) -> int:
+    def _plan_batch(self, rids: list[str], slots: list[int], step: StoreBatch, rescan: bool) -> int:
+        """Decide a prefix of the batch with the planner and commit it; the prefix's length."""
         st = self.stores
         k = len(slots)
-        sl, reqs = self.batch_requests(slots)
-        cur = st.cursor[sl]
-        ready = self._ready(reqs, st.length[sl])
-        lay = layout(cur, ready, rescan)
-        if lay is None:
+        slot_ids, requests = self.batch_requests(slots)
+        cur = st.cursor[slot_ids]
+        layout = candidate_layout(cur, self.ready_blocks(requests, st.length[slot_ids]), rescan)
+        if layout is None:
             return k
-        occ, g, p, phase1, pair, n1 = lay
-        gid = st.table[sl[occ], g, p]
-        src = self._recover_nulls(gid, occ, g, p, slots.__getitem__)
-        c = Candidates(occ, g, p, phase1, pair, src, src is not gid, n1)
-        self.cpu_pool.index.ensure(self.keys.key_capacity)
-        d = decide(c, k, self.G, self.gpu_pool.key, self.in_flight, self.cpu_pool.index.first_known,
-                   self.cpu_pool.key,
-                   self.cpu_pool.free.peek_head, self.cpu_pool.free.count, True, self._scratch, self._stamp)
-        self._stamp += k + 1
-        self._commit_selection(d.src, batch)
-        cut = d.cut
-        if cut < k:
-            st.cursor.index_put_((sl[:cut],), d.advance[:cut], accumulate=True)
+        blocks = st.table[slot_ids[layout.request], layout.group, layout.position]
+        src = self._recover_nulls(blocks, layout, slots.__getitem__)
+        d = decide(Candidates(layout, src, src is not blocks), k, self.num_groups, self._pool_reads(), self._dedup)
+        self._dedup.stamp_base += k + 1
+        self.start_stores(d.src, step)
+        if d.cut < k:
+            st.cursor.index_put_((slot_ids[:d.cut],), d.advance[:d.cut], accumulate=True)
         else:
-            st.cursor.index_put_((sl,), d.advance, accumulate=True)
-        batch.req_ids.extend(map(rids.__getitem__, d.occ_with_selection))
-        return cut
+            st.cursor.index_put_((slot_ids,), d.advance, accumulate=True)
+        step.req_ids.extend(map(rids.__getitem__, d.requests_with_selection))
+        return d.cut
 
-    def _recover_nulls(self, gid: torch.Tensor, occ: torch.Tensor, g: torch.Tensor, p: torch.Tensor,
-                       slot_of_occ: Any) -> torch.Tensor:
-        """Null entries: the GPU prefix cache's block for the position's key, else -1 (vLLM §7.6)."""
-        if int(gid.min()) > 0:
-            return gid
-        null = (gid == 0).nonzero().flatten()
+    def _recover_nulls(self, blocks: torch.Tensor, layout: Layout, slot_of_request: Callable[[int], int]
+                       ) -> torch.Tensor:
+        """``blocks`` (one per candidate of ``layout``) with each null entry replaced by the GPU prefix
+        cache's block for the position's key, else -1 (vLLM §7.6); ``blocks`` itself when none is null."""
+        if int(blocks.min()) > 0:
+            return blocks
+        null = (blocks == 0).nonzero().flatten()
         kids = []
-        for i, gg, pp in zip(occ[null].tolist(), g[null].tolist(), p[null].tolist(), strict=True):
-            hids = self.stores.sync_hids(slot_of_occ(i))
-            kids.append(hids[pp] * self.G + gg if pp < len(hids) else -1)
-        found = self.gpu_pool.first_of(int_tensor(kids, self.device))
-        src = gid.clone()
-        src[null] = found
+        for i, g, p in zip(layout.request[null].tolist(), layout.group[null].tolist(), layout.position[null].tolist(),
+                           strict=True):
+            hids = self.stores.sync_hids(slot_of_request(i))
+            kids.append(hids[p] * self.num_groups + g if p < len(hids) else -1)
+        src = blocks.clone()
+        src[null] = self.gpu_pool.first_of(int_tensor(kids, self.device))
         return src
 
-    def _commit_selection(self, gsel: torch.Tensor, batch: StepBatch | None) -> torch.Tensor:
-        """Allocate CPU destinations for ``gsel`` (evictions to the policy), pin both sides."""
-        K = gsel.numel()
-        if K == 0:
-            return gsel
-        cpu, ev_b, ev_k = self.cpu_pool.alloc(K)
-        if ev_b.numel():
-            self.policy.on_evictions(ev_b, ev_k)
-        self.in_flight[gsel] = True
-        self.gpu_pool.touch_t(gsel)
-        if batch is not None:
-            batch.gpu.append(gsel)
-            batch.cpu.append(cpu)
+    def start_stores(self, gpu: torch.Tensor, step: StoreBatch | None) -> torch.Tensor:
+        if gpu.numel() == 0:
+            return gpu
+        cpu, ev_blocks, ev_kids = self.cpu_pool.alloc(gpu.numel())
+        if ev_blocks.numel():
+            self.policy.on_cpu_evictions(Evictions(ev_blocks, ev_kids))
+        self.mark_in_flight(gpu)
+        if step is not None:
+            step.add(gpu, cpu)
         return cpu
 
-    def flush_select(self, slot: int, block_ids: list[list[int]]) -> torch.Tensor:
-        """The baseline scan of ``[cursor, ready)`` over a live table (finish flush); no commit."""
-        st = self.stores
+    def mark_in_flight(self, gpu: torch.Tensor) -> None:
+        self.in_flight[gpu] = True
+        self.gpu_pool.touch_t(gpu)
+
+    def flush_candidates(self, slot: int, block_ids: list[list[int]]) -> FlushCandidates | None:
         lengths = torch.tensor([[len(x) for x in block_ids]], dtype=torch.int64, device=self.device)
-        cur = st.cursor[slot].view(1, -1)
-        ready = self._ready([self.stores.request[slot]], lengths)
-        lay = layout(cur, ready, False)
-        if lay is None:
-            return self.gpu_pool.empty()
-        occ, g, p, phase1, pair, n1 = lay
+        cur = self.stores.cursor[slot].view(1, -1)
+        layout = candidate_layout(cur, self.ready_blocks([self.stores.request[slot]], lengths), False)
+        if layout is None:
+            return None
         width = max(1, int(lengths.max()))
-        padded = torch.zeros((self.G, width), dtype=torch.int64, device=self.device)
-        for gg, ids in enumerate(block_ids):
+        padded = torch.zeros((self.num_groups, width), dtype=torch.int64, device=self.device)
+        for g, ids in enumerate(block_ids):
             if ids:
-                padded[gg, : len(ids)] = int_tensor(ids, self.device)
-        src = self._recover_nulls(padded[g, p], occ, g, p, lambda i: slot)
-        d = decide(Candidates(occ, g, p, phase1, pair, src, True, n1), 1, self.G, self.gpu_pool.key, self.in_flight,
-                   self.cpu_pool.first_of, self.cpu_pool.key, self.cpu_pool.free.peek_head,
-                   self.cpu_pool.free.count, False, self._scratch)
-        return d.src
+                padded[g, : len(ids)] = int_tensor(ids, self.device)
+        return FlushCandidates(layout, padded[layout.group, layout.position])
+
+    def select_flush(self, request: RequestView, block_ids: list[list[int]]) -> torch.Tensor:
+        """The baseline scan of ``[cursor, ready)`` over a live table (finish flush); no commit."""
+        slot = self.stores.slot_of[request.request_id]
+        found = self.flush_candidates(slot, block_ids)
+        if found is None:
+            return self.gpu_pool.empty()
+        layout = found.layout
+        src = self._recover_nulls(found.blocks, layout, lambda i: slot)
+        pools = PoolReads(self.gpu_pool.key, self.in_flight, self.cpu_pool.first_of, self.cpu_pool.key,
+                          self.cpu_pool.free.peek_head, self.cpu_pool.free.count)
+        return decide(Candidates(layout, src), 1, self.num_groups, pools, None).src
+
+    def queue_flush(self, gpu: torch.Tensor, cpu: torch.Tensor) -> None:
+        self.pending_finished_stores.append(Transfer(gpu, cpu))
 
     # -- lazy ------------------------------------------------------------------------------------------
 
-    def _plan_lazy(self) -> StepBatch:
-        batch = StepBatch([], [], [])
+    def _plan_lazy(self) -> StoreBatch:
+        batch = StoreBatch()
         if self.target_free <= 0:
             return batch
         n_cpu_free = self.cpu_pool.free.count
@@ -455,8 +404,7 @@ class TensorOffloadScheduler:
         if sel.numel():
             cpu, _, _ = self.cpu_pool.alloc(sel.numel())
             self.gpu_pool.touch_t(sel)
-            batch.gpu.append(sel)
-            batch.cpu.append(cpu)
+            batch.add(sel, cpu)
         return batch
 
     # == worker reports ============================================================================
@@ -519,9 +467,9 @@ class TensorOffloadScheduler:
                 if not reqs:
                     del self.load_event_to_reqs[st.load_event]
         if copy:
-            self.payload.load(st.xfer.gpu, st.xfer.cpu)
-        self.cpu_pool.free_t(st.xfer.cpu)
-        self.gpu_pool.free_t(st.xfer.gpu)
+            self.payload.load(st.transfer.gpu, st.transfer.cpu)
+        self.cpu_pool.free_t(st.transfer.cpu)
+        self.gpu_pool.free_t(st.transfer.gpu)
 
     def _cleanup_store(self, rid: str) -> None:
         s = self.stores.slot_of[rid]
@@ -537,11 +485,10 @@ class TensorOffloadScheduler:
 
     def request_finished_all_groups(self, request: RequestView, block_ids: BlockIds) -> tuple[bool, None]:
         check_request(request, "request_finished")
-        ids = check_block_ids(block_ids, self.G, self.gpu_pool.num_blocks, "request_finished",
-                                none_groups=False)
-        s = self.stores.slot_of.get(request.request_id)
-        if s is not None and not self.lazy_mode:
-            self.policy.finish_flush(request, s, [list(g) for g in ids])
+        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "request_finished",
+                              none_groups=False)
+        if request.request_id in self.stores and not self.lazy_mode:
+            self.policy.finish_flush(request, [list(g) for g in ids])
         return self.request_finished(request)
 
     def request_finished(self, request: RequestView) -> tuple[bool, None]:
@@ -563,12 +510,6 @@ class TensorOffloadScheduler:
                 self._cleanup_store(rid)
         self.policy.on_request_finished(rid)
         return False, None
-
-    def queue_flush(self, gsel: torch.Tensor, cpu: torch.Tensor | None = None) -> None:
-        """Queue a finish-flush transfer (CPU blocks allocated now when not given)."""
-        if cpu is None:
-            cpu = self._commit_selection(gsel, None)
-        self.pending_finished_stores.append(Xfer(gsel, cpu))
 
     # == reset =========================================================================================
 
@@ -613,8 +554,8 @@ class TensorOffloadScheduler:
         }
 
     def _scheduler_snapshot(self) -> dict[str, Any]:
-        def load(st: Load) -> tuple[Transfer, int | None, bool]:
-            return st.xfer.pair(), st.load_event, st.finished
+        def load(st: LoadState) -> tuple[TransferPair, int | None, bool]:
+            return st.transfer.pair(), st.load_event, st.finished
 
         return scheduler_section(
             policy=self.policy.name,
@@ -643,3 +584,53 @@ class TensorOffloadScheduler:
             "cpu_pool": self.cpu_pool.memory_bytes(),
             "stores": self.stores.memory_bytes() + self.in_flight.numel(),
         }
+
+    # == self-check ======================================================================================
+
+    def _check(self) -> None:
+        """Every structure's own invariants (key table, both pools with their free lists and
+        prefix indexes, store table, the policy's), then the scheduler's: events and the
+        requests they name agree, and the in-flight set is exactly the blocks of live eager
+        stores. Raises AssertionError. O(pools + requests + transfers)."""
+        self.keys._check()
+        self.gpu_pool._check()
+        self.cpu_pool._check()
+        self.stores._check()
+        policy_check = getattr(self.policy, "_check", None)  # policies with state check it themselves
+        if policy_check is not None:
+            policy_check()
+        self._check_store_events()
+        self._check_loads()
+        self._check_in_flight()
+
+    def _check_store_events(self) -> None:
+        live = self.store_events.keys() | self.abandoned_store_events.keys()
+        assert all(0 <= e < self.store_event_counter for e in live), "store event id beyond the counter"
+        assert self.store_event_to_reqs.keys() <= self.store_events.keys(), "requests listed for a dead event"
+        for e, count in self.store_event_pending_counts.items():
+            assert e in live and 0 < count < self.config.world_size, f"store event {e}: pending count {count}"
+        for rid, slot in self.stores.slot_of.items():
+            for e in self.stores.events[slot]:
+                assert rid in self.store_event_to_reqs.get(e, ()), f"{rid}: store event {e} does not list it"
+
+    def _check_loads(self) -> None:
+        for rid, st in [*self.reqs_to_load.items(), *self.abandoned_reqs_to_load.items()]:
+            assert st.transfer.gpu.numel() == st.transfer.cpu.numel(), f"{rid}: load pairs"
+            if st.load_event is not None:
+                assert rid in self.load_event_to_reqs.get(st.load_event, ()), f"{rid}: load event not listed"
+        for e, rids in self.load_event_to_reqs.items():
+            assert rids and 0 <= e < self.load_event_counter, f"load event {e}: {rids}"
+            for rid in rids:
+                assert any(st is not None and st.load_event == e for st in
+                           (self.reqs_to_load.get(rid), self.abandoned_reqs_to_load.get(rid))), f"{rid}: load {e}"
+        for rid, hit in self.pending_cpu_hits.items():
+            assert hit.pinned.tolist() == [b for g in hit.blocks for b in g if b != 0], f"{rid}: hit pins"
+
+    def _check_in_flight(self) -> None:
+        marked = self.in_flight.nonzero().flatten()
+        if self.lazy_mode:
+            assert marked.numel() == 0, "lazy mode marks nothing in flight"
+            return
+        sources = [t.gpu for t in (*self.store_events.values(), *self.pending_finished_stores)]
+        stored = torch.unique(torch.cat(sources)) if sources else marked[:0]
+        assert torch.equal(marked, stored), "the in-flight set is not the blocks of the live eager stores"

@@ -5,45 +5,66 @@ invariant in its ``oracle`` (the guarantees of the policy it is a variant of, or
 property the change claimed to restore) — never by comparison with the correct
 model, which an engine author without kvspec would not have. Several bugs are fixed
 in vLLM 0.33.0; their variants stay as regression targets.
+
+A variant changes one thing through the contract, never through a private method:
+either its policy is a subclass of a model policy overriding ``StorePolicy`` methods
+or the policy's documented public steps (``BaselinePolicy.select``, the repair rules
+``record_losses``, ``protect_cached``, ``choose_victims``, ``classify_key``), or its
+scheduler is a subclass of ``OffloadScheduler`` overriding methods of the target
+contract (``kvspec.contract.types.OffloadTarget``) or of the scheduler's documented
+policy-facing interface (``classify``, ``allocate_store``, ``ready_blocks``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import islice
 
+from kvspec.contract.checks import check_scheduler_output
 from kvspec.contract.config import OffloadConfig
-from kvspec.contract.types import KVConnectorOutput, RequestView, SchedulerOutput
+from kvspec.contract.types import (
+    BlockIds,
+    CachedRequestData,
+    ConnectorMetadata,
+    KVConnectorOutput,
+    RequestView,
+    SchedulerOutput,
+)
+from kvspec.model.baseline import Selection
 from kvspec.model.block_pool import BlockPool
-from kvspec.model.hashing import BlockKey
-from kvspec.model.repair import RepairScheduler
-from kvspec.model.scheduler import IN_FLIGHT, OffloadScheduler, StoreBatch, StoreState
-from kvspec.model.signal_rescan import SignalRescanScheduler
+from kvspec.model.repair import RepairPolicy
+from kvspec.model.rules import ALREADY_CACHED, IN_FLIGHT, READY
+from kvspec.model.scheduler import Evicted, OffloadScheduler, PolicyFactory, StoreBatch, StoreState
+from kvspec.model.signal_rescan import SignalRescanPolicy
 
 
 @dataclass(frozen=True)
 class Bug:
+    """One variant: where the bug is from, what it does, the configuration policy it runs
+    under, the invariants the fuzzer checks (None: that policy's claims), and what it changes:
+    the scheduler class, the policy class (None: the registry's class for ``policy``), or both."""
+
     name: str
-    source: str  # where the bug is from
+    source: str
     summary: str
-    policy: str  # the configuration policy the variant runs under
-    cls: Callable[[OffloadConfig, BlockPool], OffloadScheduler]
-    oracle: tuple[str, ...] | None  # invariant ids the fuzzer checks; None: the policy's claims
+    policy: str
+    oracle: tuple[str, ...] | None
+    scheduler: type[OffloadScheduler] = OffloadScheduler
+    store_policy: PolicyFactory | None = None
 
 
 # -- variants of vLLM 0.33.0 (baseline) ------------------------------------------------------
 
 
 class InFlightReoffload(OffloadScheduler):
-    """PR #41289 reverted: the scan does not consult the in-flight set."""
+    """PR #41289 reverted: the classification does not consult the in-flight set."""
 
-    def _classify(self, gid: int) -> str:
-        kind = super()._classify(gid)
+    def classify(self, gid: int) -> str:
+        kind = super().classify(gid)
         if kind == IN_FLIGHT:
             key = self.gpu_pool.block_hash[gid]
             assert key is not None, "IN_FLIGHT: classify_store_candidate ranks not-hashed first"
-            return "already_cached" if self.cpu_pool.get_one_block(key) is not None else "ready"
+            return ALREADY_CACHED if self.cpu_pool.get_one_block(key) is not None else READY
         return kind
 
 
@@ -51,10 +72,10 @@ class StampedUnregistered(OffloadScheduler):
     """#53498 bug 1: CPU destinations are stamped with the hash at scheduling, so the
     registration at completion returns early and the map never lists them."""
 
-    def _allocate_store(self, batch: StoreBatch, rid: str | None, selected: list[int]) -> None:
+    def allocate_store(self, batch: StoreBatch, rid: str, gpu_ids: list[int]) -> None:
         start = len(batch.cpu_ids)
-        super()._allocate_store(batch, rid, selected)
-        for g, c in zip(selected, batch.cpu_ids[start:], strict=True):
+        super().allocate_store(batch, rid, gpu_ids)
+        for g, c in zip(gpu_ids, batch.cpu_ids[start:], strict=True):
             self.cpu_pool.block_hash[c] = self.gpu_pool.block_hash[g]
 
 
@@ -84,7 +105,8 @@ class ResetReleasesInFlight(OffloadScheduler):
 
     def reset(self) -> bool:
         for t in self.store_event_to_blocks.values():
-            self._release_transfer_refs(t)
+            self.cpu_pool.free_blocks(t.cpu_ids)
+            self.gpu_pool.free_blocks(t.gpu_ids)
         self.store_event_to_blocks.clear()
         self.store_event_pending_counts.clear()
         return super().reset()
@@ -93,110 +115,117 @@ class ResetReleasesInFlight(OffloadScheduler):
 # -- variants of PR #47235 -----------------------------------------------------------------
 
 
-class RelativeCursorRescan(SignalRescanScheduler):
+class RelativeCursorRescan(SignalRescanPolicy):
     """PR #47235 without its absolute cursor: Phase 1a selections also advance the cursor."""
 
-    def _select(self, st: StoreState, ids_by_group: list[list[int]], rescan: bool) -> tuple[list[int], list[int]]:
-        selected, cursor = super()._select(st, ids_by_group, rescan)
-        extra = len(selected) - sum(c - s for c, s in zip(cursor, st.num_stored_blocks, strict=True))
+    def select(self, st: StoreState, ids_by_group: list[list[int]]) -> Selection:
+        selection = super().select(st, ids_by_group)
+        cursor = selection.cursors
+        extra = len(selection.gpu_ids) - sum(c - s for c, s in zip(cursor, st.num_stored_blocks, strict=True))
         if extra > 0:
             cursor[0] += extra
-        return selected, cursor
+        return selection
 
 
 # -- variants of repair (each drops one rule) ------------------------------------------------
 
 
-class RepairNoRecords(RepairScheduler):
+class RepairNoRecords(RepairPolicy):
     """R1 dropped: evictions are not recorded, so the cursor goes stale (the FIXME, T2)."""
 
-    def _record_losses(self, evicted: list[tuple[int, BlockKey]]) -> None:
+    def record_losses(self, evicted: Evicted) -> None:
         return None
 
 
-class RepairNoSameStepPin(RepairScheduler):
+class RepairNoSameStepPin(RepairPolicy):
     """R5 dropped: "already cached" entries can be evicted by the same step (T3)."""
 
-    def _protect_cached(self, cb: int) -> None:
+    def protect_cached(self, cb: int) -> None:
         return None
 
 
-class RepairNoVictimRule(RepairScheduler):
+class RepairNoVictimRule(RepairPolicy):
     """R7 dropped: re-stores evict whatever the LRU head holds (thrash, H6)."""
 
-    def _choose_victims(self, n: int) -> list[int]:
-        return list(islice(self.cpu_pool.free_queue, n))
+    def choose_victims(self, n: int) -> list[int]:
+        return list(islice(self.sched.cpu_pool.free_queue, n))
 
 
-class RepairDedupByGpuId(RepairScheduler):
+class RepairDedupByGpuId(RepairPolicy):
     """R4 weakened to vLLM's dedup by GPU block id: equal keys on different blocks are both
     stored (H5)."""
 
-    def _classify_key(self, gid: int) -> str:
-        kind = super()._classify_key(gid)
-        if kind == IN_FLIGHT and gid not in self.in_flight_store_gpu_blocks:
-            return "ready"
+    def classify_key(self, gid: int) -> str:
+        kind = super().classify_key(gid)
+        if kind == IN_FLIGHT and gid not in self.sched.in_flight_store_gpu_blocks:
+            return READY
         return kind
 
 
-class RepairNoFinishFlush(RepairScheduler):
+class RepairNoFinishFlush(RepairPolicy):
     """#41704: blocks confirmed in the final step are never stored (no finish flush)."""
 
-    def _queue_finished_eager_store(self, request: RequestView, block_ids: list[list[int]]) -> None:
+    def finish_flush(self, request: RequestView, block_ids: list[list[int]]) -> None:
         return None
 
 
-class RepairOldResume(RepairScheduler):
-    """#57816: preemption keeps the stale ids and cursors, a resumed full table is appended."""
+class OldResume(OffloadScheduler):
+    """#57816: the connector as it read a step before the fix. It ignores preemptions (the
+    stale ids and cursors are kept, and the policy drops nothing), and a full table, new
+    or resumed, is appended to the ids like new blocks."""
 
-    def _reset_after_preemption(self, st: StoreState) -> None:
-        return None
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
+        out = scheduler_output
+        check_scheduler_output(out, self.num_groups, self.gpu_pool.num_blocks)
+        cached = out.scheduled_cached_reqs
+        tables: list[BlockIds | None] = [nr.block_ids for nr in out.scheduled_new_reqs]
+        appended = CachedRequestData(req_ids=[nr.req_id for nr in out.scheduled_new_reqs] + list(cached.req_ids),
+                                     new_block_ids=tables + list(cached.new_block_ids))
+        meta = super().build_connector_meta(SchedulerOutput(scheduled_cached_reqs=appended,
+                                                            num_scheduled_tokens=out.num_scheduled_tokens,
+                                                            finished_req_ids=out.finished_req_ids))
+        meta.need_flush = bool(out.preempted_req_ids)
+        return meta
 
-    def _replace_for_full_table(self, st: StoreState) -> None:
-        return None
 
-    def _plan_before_scan(self, out: SchedulerOutput, batch: StoreBatch) -> None:
-        super()._plan_before_scan(SchedulerOutput(), batch)
-
-
-class RepairUnconfirmed(RepairScheduler):
+class UnconfirmedStores(OffloadScheduler):
     """Stores are planned from hashed blocks instead of confirmed ones (no one-step lag)."""
 
-    def _ready_blocks(self, st: StoreState, ids: list[int]) -> int:
+    def ready_blocks(self, st: StoreState, ids: list[int]) -> int:
         return min(len(ids), len(st.request.block_hashes))
 
 
 BUGS: dict[str, Bug] = {b.name: b for b in [
     Bug("vllm-fixme", "vLLM 0.33.0 FIXME (T2), §10.15", "baseline itself: the stale cursor never re-stores "
-        "an entry evicted below it", "baseline", OffloadScheduler, ("C1",)),
-    Bug("stale-cursor", "FIXME (T2) in repair", "repair without loss records", "repair", RepairNoRecords,
-        None),
-    Bug("self-eviction", "T3, §10.16", "repair without the same-step pin", "repair", RepairNoSameStepPin,
-        None),
-    Bug("thrash", "#47235 H6", "repair without the victim rule", "repair", RepairNoVictimRule,
-        None),
-    Bug("dedup-by-gpu-id", "#47235 H5", "repair deduplicating by GPU id, not key", "repair",
-        RepairDedupByGpuId, None),
-    Bug("final-step-lost", "#41704", "repair without the finish flush", "repair", RepairNoFinishFlush,
-        None),
-    Bug("mrv2-resume", "#57816", "preemption keeps stale ids; resumed tables are appended", "repair",
-        RepairOldResume, None),
+        "an entry evicted below it", "baseline", ("C1",)),
+    Bug("stale-cursor", "FIXME (T2) in repair", "repair without loss records", "repair", None,
+        store_policy=RepairNoRecords),
+    Bug("self-eviction", "T3, §10.16", "repair without the same-step pin", "repair", None,
+        store_policy=RepairNoSameStepPin),
+    Bug("thrash", "#47235 H6", "repair without the victim rule", "repair", None,
+        store_policy=RepairNoVictimRule),
+    Bug("dedup-by-gpu-id", "#47235 H5", "repair deduplicating by GPU id, not key", "repair", None,
+        store_policy=RepairDedupByGpuId),
+    Bug("final-step-lost", "#41704", "repair without the finish flush", "repair", None,
+        store_policy=RepairNoFinishFlush),
+    Bug("mrv2-resume", "#57816", "preemption keeps stale ids; resumed tables are appended", "repair", None,
+        scheduler=OldResume),
     Bug("unconfirmed-store", "#45704 (scheduler side)", "stores planned before the data is computed", "repair",
-        RepairUnconfirmed, None),
-    Bug("inflight-reoffload", "PR #41289", "in-flight GPU blocks stored again", "baseline", InFlightReoffload,
-        None),
+        None, scheduler=UnconfirmedStores),
+    Bug("inflight-reoffload", "PR #41289", "in-flight GPU blocks stored again", "baseline", None,
+        scheduler=InFlightReoffload),
     Bug("stamped-unregistered", "#53498", "CPU blocks stamped at scheduling are never registered", "baseline",
-        StampedUnregistered, None),
-    Bug("pin-leak", "#39702 fix, retry path", "a retried lookup leaks the stale pin", "baseline", PinLeakOnRetry,
-        None),
-    Bug("world-size-ignored", "§7.8", "store events complete on the first worker report", "baseline",
-        WorldSizeIgnored, None),
+        None, scheduler=StampedUnregistered),
+    Bug("pin-leak", "#39702 fix, retry path", "a retried lookup leaks the stale pin", "baseline", None,
+        scheduler=PinLeakOnRetry),
+    Bug("world-size-ignored", "§7.8", "store events complete on the first worker report", "baseline", None,
+        scheduler=WorldSizeIgnored),
     Bug("reset-releases-inflight", "PRs #39723/#39725", "reset releases stores the workers still copy",
-        "baseline", ResetReleasesInFlight, None),
+        "baseline", None, scheduler=ResetReleasesInFlight),
     Bug("pr47235-flag", "#47235 H1/H3", "one pool-wide flag, consumed by whoever is scheduled",
-        "signal-rescan", SignalRescanScheduler, ("C1",)),
+        "signal-rescan", ("C1",)),
     Bug("pr47235-relative-cursor", "#47235 §9.2", "Phase 1a selections advance the cursor", "signal-rescan",
-        RelativeCursorRescan, ("C1", "I9")),
+        ("C1", "I9"), store_policy=RelativeCursorRescan),
 ]}
 
 
@@ -207,4 +236,4 @@ def make_bug_target(name: str, config: OffloadConfig) -> OffloadScheduler:
     bug = BUGS[name]
     cfg = replace(config, policy=bug.policy, lazy_offload=False)
     cfg.validate()
-    return bug.cls(cfg, BlockPool(cfg.num_gpu_blocks, "gpu", cfg.num_groups))
+    return bug.scheduler(cfg, BlockPool(cfg.num_gpu_blocks, "gpu", cfg.num_groups), bug.store_policy)

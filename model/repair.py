@@ -44,8 +44,8 @@ Rules, each stated once:
   it meets and takes not-live ones, then, if still short, the useless ones it met
   (their parent is lost, so no lookup reaches them; taken last because the parent
   may come back). A victim not at the head is taken by ``touch`` +
-  ``evict_blocks`` (both exist on vLLM's ``BlockPool``), which leaves it exactly as
-  an allocation would. Hence a re-store never lowers any request's reachable CPU
+  ``evict_blocks`` (both exist on vLLM's ``BlockPool``; ``OffloadScheduler.take_cpu_blocks``),
+  which leaves it exactly as an allocation would. Hence a re-store never lowers any request's reachable CPU
   prefix, and the reachable prefix grows with every re-store: no cycle. Re-stores
   per step are bounded by the distinct
   lost keys (C3), and victim search costs O(n + retired keys skipped).
@@ -55,35 +55,72 @@ Rules, each stated once:
   table (with R3-R5), then re-stores the finishing request's own pending records
   with the space left (R6, R7); what still finds no room is dropped with the
   request, which owns nothing afterwards.
+
+Where the rules live: R3-R5 at one position of the scan are ``rules.repair_step``; the
+store classes by key are ``rules.classify_store_candidate``; confirmed blocks and the
+window floor are ``rules.ready_blocks`` and ``rules.window_floor``. R7's victim order is
+not a pure function of lists: it classifies CPU entries lazily, one at a time as it
+walks (a classification prunes the owner index), and that laziness is its cost bound (R2).
+The public methods are the rules as steps a variant may override (``kvspec.model.bugs``):
+ownership and loss records (``owned_block``, ``record_losses``: R1, R3), classification
+by key (``classify_key``: R4), the same-step pin (``protect_cached``: R5), the pending
+records (``repair_candidates``: R8) and the victims (``choose_victims``: R7).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
+from typing import Any, ClassVar, NamedTuple
 
 from kvspec.contract.config import OffloadConfig
 from kvspec.contract.types import RequestView, SchedulerOutput
-from kvspec.model.block_pool import NULL_BLOCK, BlockPool
+from kvspec.model.baseline import BaselinePolicy, Selection
+from kvspec.model.block_pool import NULL_BLOCK
 from kvspec.model.hashing import BlockKey, key_str
-from kvspec.model.rules import window_floor
-from kvspec.model.scheduler import (
+from kvspec.model.rules import (
     ALREADY_CACHED,
-    IN_FLIGHT,
-    NOT_HASHED,
-    READY,
-    OffloadScheduler,
-    StoreBatch,
-    StoreState,
-    Transfer,
+    NOT_OWNED,
+    PASS,
+    PIN,
+    SELECT,
+    STOP,
+    classify_store_candidate,
+    repair_step,
+    window_floor,
 )
+from kvspec.model.scheduler import Evicted, OffloadScheduler, StoreBatch, StoreState, Transfer
 
 Position = tuple[str, int, int]  # (request id, group, position)
 Owners = dict[Position, None]  # ordered, so that records are made in a deterministic order
 
 
-class RepairScheduler(OffloadScheduler):
-    policy_name = "repair"
+class Candidate(NamedTuple):
+    """A pending record to re-store: its position, the GPU block the request owns there, its key."""
+
+    position: Position
+    gpu_id: int
+    key: BlockKey
+
+
+class Finishing(NamedTuple):
+    """The request whose finish flush is running, and its live block table."""
+
+    rid: str
+    block_ids: list[list[int]]
+
+
+class Restore(NamedTuple):
+    """One planned re-store: the request it serves, the GPU block copied, the CPU victim."""
+
+    rid: str
+    gpu_id: int
+    cpu_id: int
+
+
+class RepairPolicy(BaselinePolicy):
+    """kvspec's re-store policy: exact loss records, re-stored after the new work (R1-R9)."""
+
+    name: ClassVar[str] = "repair"
 
     @classmethod
     def claims(cls, config: OffloadConfig) -> tuple[str, ...]:
@@ -91,8 +128,8 @@ class RepairScheduler(OffloadScheduler):
         return ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "I9", "I10", "I11", "I12", "I13", "I14",
                 "I15", "C2", "C3", "C4", "C5", "C6", "C7")
 
-    def __init__(self, config: OffloadConfig, gpu_pool: BlockPool) -> None:
-        super().__init__(config, gpu_pool)
+    def __init__(self, sched: OffloadScheduler) -> None:
+        super().__init__(sched)
         self.owners: dict[BlockKey, Owners] = {}
         self.lost: dict[Position, BlockKey] = {}
         self.in_flight_keys: dict[BlockKey, int] = {}
@@ -109,18 +146,21 @@ class RepairScheduler(OffloadScheduler):
 
     # -- R1: records -------------------------------------------------------------------------
 
-    def _owned_block(self, st: StoreState, ids: list[int], g: int, p: int) -> int | None:
-        """The block ``ids[p]`` if the request owns it at (g, p), else None. O(1)."""
+    def owned_block(self, st: StoreState, ids: list[int], g: int, p: int) -> int | None:
+        """The block ``ids[p]`` if the request owns it at (g, p), else None: it carries the
+        request's key for p, is referenced, and (sliding group) p is not below the window
+        floor (``rules.window_floor``). O(1)."""
         hashes = st.request.block_hashes
         if p >= len(hashes) or p >= len(ids):
             return None
-        spec = self.config.groups[g]
+        spec = self.sched.config.groups[g]
         if spec.kind == "sliding":
             computed = st.request.num_computed_tokens
-            if p < window_floor(computed, spec.sliding_window, self.block_size):
+            if p < window_floor(computed, spec.sliding_window, self.sched.block_size):
                 return None
         b = ids[p]
-        if b == NULL_BLOCK or self.gpu_pool.block_hash[b] != (hashes[p], g) or self.gpu_pool.ref_cnt[b] < 1:
+        gpu = self.sched.gpu_pool
+        if b == NULL_BLOCK or gpu.block_hash[b] != (hashes[p], g) or gpu.ref_cnt[b] < 1:
             return None
         return b
 
@@ -131,34 +171,45 @@ class RepairScheduler(OffloadScheduler):
             return False
         for pos in list(owners):
             rid, g, p = pos
-            st = self.reqs_to_store.get(rid)
+            st = self.sched.store_state(rid)
             if (st is None or st.finished or p >= st.num_stored_blocks[g]
-                    or self._owned_block(st, st.block_ids[g], g, p) is None):
+                    or self.owned_block(st, st.block_ids[g], g, p) is None):
                 del owners[pos]
         if not owners:
             del self.owners[key]
         return bool(owners)
 
     def _covered(self, key: BlockKey) -> bool:
-        return self.cpu_pool.get_one_block(key) is not None or self.in_flight_keys.get(key, 0) > 0
+        """The CPU holds ``key``, or a store of it is in flight. O(1)."""
+        return self.sched.cpu_pool.get_one_block(key) is not None or self.in_flight_keys.get(key, 0) > 0
 
-    def _on_cpu_evictions(self, evicted: list[tuple[int, BlockKey]]) -> None:
+    def on_cpu_evictions(self, evicted: Evicted) -> None:
+        """Count self-evictions (C5), drop evicted keys from the retired list (R7 b), record
+        the losses (R1). O(evicted x owners)."""
         self.self_evictions += sum(1 for _, key in evicted if key in self._judged_cached)
         for _, key in evicted:
-            if self.cpu_pool.get_one_block(key) is None:
+            if self.sched.cpu_pool.get_one_block(key) is None:
                 self.retired.pop(key, None)
-        self._record_losses(evicted)
+        self.record_losses(evicted)
 
-    def _record_losses(self, evicted: list[tuple[int, BlockKey]]) -> None:
-        """R1: owners of an evicted key that the CPU no longer holds get lost records."""
+    def record_losses(self, evicted: Evicted) -> None:
+        """R1: owners of an evicted key that the CPU no longer holds get lost records. O(evicted x owners)."""
         for _, key in evicted:
-            if self.cpu_pool.get_one_block(key) is not None or not self._is_live(key):
+            if self.sched.cpu_pool.get_one_block(key) is not None or not self._is_live(key):
                 continue
             for pos in self.owners[key]:
                 self.lost.setdefault(pos, key)
 
+    def _register_owner(self, rid: str, g: int, p: int, key: BlockKey) -> None:
+        """R1: index position (rid, g, p) under ``key`` (once). O(1)."""
+        owners = self.owners.setdefault(key, {})
+        if (rid, g, p) not in owners:
+            owners[(rid, g, p)] = None
+            self.owned_keys.setdefault(rid, []).append(key)
+
     def _drop_request(self, rid: str) -> None:
-        """The request owns nothing any more: drop its records, retire its keys (R7 b)."""
+        """The request owns nothing any more: drop its records, retire its keys (R7 b).
+        O(records + keys of the request)."""
         for pos in [p for p in self.lost if p[0] == rid]:
             del self.lost[pos]
         for key in self.owned_keys.pop(rid, []):
@@ -167,16 +218,17 @@ class RepairScheduler(OffloadScheduler):
             del self.window_floor[rg]
 
     def _retire(self, key: BlockKey) -> None:
+        """R7 b: a key nobody needs any more is a victim candidate, if it is (or will be) cached."""
         if self._covered(key):  # cached, or cached when its store completes
             self.retired[key] = None
 
     def _retire_out_of_window(self, st: StoreState, g: int) -> None:
         """Sliding group: keys at positions that left the window since the last call retire."""
-        spec = self.config.groups[g]
+        spec = self.sched.config.groups[g]
         if spec.kind != "sliding":
             return
         rid = st.request.request_id
-        floor = window_floor(st.request.num_computed_tokens, spec.sliding_window, self.block_size)
+        floor = window_floor(st.request.num_computed_tokens, spec.sliding_window, self.sched.block_size)
         floor = min(floor, st.num_stored_blocks[g], len(st.request.block_hashes))
         for p in range(self.window_floor.get((rid, g), 0), floor):
             self._retire((st.request.block_hashes[p], g))
@@ -184,112 +236,116 @@ class RepairScheduler(OffloadScheduler):
 
     # -- scan: R3, R4, R5 ----------------------------------------------------------------------
 
-    def _classify_key(self, gid: int) -> str:
-        key = self.gpu_pool.block_hash[gid]
-        if key is None:
-            return NOT_HASHED
-        if self.in_flight_keys.get(key, 0) > 0:
-            return IN_FLIGHT
-        if self.cpu_pool.get_one_block(key) is not None:
-            return ALREADY_CACHED
-        return READY
+    def classify_key(self, gid: int) -> str:
+        """R4: ``rules.classify_store_candidate`` by key: in flight when any store of the
+        block's key is (``in_flight_keys``), cached when the CPU holds the key. O(1)."""
+        key = self.sched.gpu_pool.block_hash[gid]
+        in_flight = key is not None and self.in_flight_keys.get(key, 0) > 0
+        cached = key is not None and self.sched.cpu_pool.get_one_block(key) is not None
+        return classify_store_candidate(False, key is not None, in_flight, cached)
 
-    def _select_eager_blocks_to_store(self, st: StoreState,
-                                      ids_by_group: list[list[int]]) -> tuple[list[int], list[int]]:
+    def select(self, st: StoreState, ids_by_group: list[list[int]]) -> Selection:
+        """The scan of ``[cursor, ready)`` of every group (``rules.repair_step`` at each
+        position), after retiring the keys that left a sliding window. Unlike the baseline,
+        a group is scanned even once the selection fills the free count: it may still pass
+        positions and index owners. O(positions scanned)."""
         selected: list[int] = []
-        keys: set[BlockKey] = set()
-        advance = [0] * self.num_groups
-        rid = st.request.request_id
+        cursors = list(st.num_stored_blocks)
         for g, ids in enumerate(ids_by_group):
             self._retire_out_of_window(st, g)
-            for p in range(st.num_stored_blocks[g], self._ready_blocks(st, ids)):
-                self.visits_last_plan += 1
-                b = self._owned_block(st, ids, g, p)
-                key = None if b is None else self.gpu_pool.block_hash[b]
-                if b is None or key is None:  # not owned here, or NOT_HASHED: skipped
-                    advance[g] += 1
-                    continue
-                kind = self._classify_key(b)
-                if kind == READY and key in keys:
-                    kind = IN_FLIGHT
-                free = self.cpu_pool.get_num_free_blocks()
-                if kind == READY and len(selected) >= free:
-                    break
-                if kind == ALREADY_CACHED and self._pin_would_starve(key, len(selected), free):
-                    break
-                advance[g] += 1
-                if kind == NOT_HASHED:
-                    continue
-                owners = self.owners.setdefault(key, {})
-                if (rid, g, p) not in owners:
-                    owners[(rid, g, p)] = None
-                    self.owned_keys.setdefault(rid, []).append(key)
-                if kind == ALREADY_CACHED:
-                    self._judged_cached.add(key)
-                    cb = self.cpu_pool.get_one_block(key)
-                    assert cb is not None, "ALREADY_CACHED: the CPU pool lists the key"
-                    self._protect_cached(cb)
-                elif kind == READY:
-                    selected.append(b)
-                    keys.add(key)
-        return selected, advance
+            cursors[g] += self._scan_group(st, g, ids, selected)
+        return Selection(selected, cursors)
 
-    def _pin_would_starve(self, key: BlockKey, n_selected: int, free: int) -> bool:
-        """Out of space for R5: pinning a free cached entry must leave room for the selection."""
-        cb = self.cpu_pool.get_one_block(key)
-        return cb in self.cpu_pool.free_queue and free - 1 < n_selected
+    def _scan_group(self, st: StoreState, g: int, ids: list[int], selected: list[int]) -> int:
+        """One group's scan: apply ``rules.repair_step`` at each position with the CPU free count
+        read now (pins lower it); append what is selected; return the cursor advance. Keys
+        carry their group, so the dedup of R4 within the request is per group. O(ready - cursor)."""
+        cpu = self.sched.cpu_pool
+        rid = st.request.request_id
+        keys: set[BlockKey] = set()
+        advance = 0
+        for p in range(st.num_stored_blocks[g], self.sched.ready_blocks(st, ids)):
+            self.visits_last_plan += 1
+            b = self.owned_block(st, ids, g, p)
+            key = None if b is None else self.sched.gpu_pool.block_hash[b]
+            kind = NOT_OWNED if b is None else self.classify_key(b)
+            cb = cpu.get_one_block(key) if kind == ALREADY_CACHED and key is not None else None
+            step = repair_step(kind, key in keys, cb is not None and cb in cpu.free_queue, len(selected),
+                               cpu.get_num_free_blocks())
+            if step == STOP:
+                break
+            advance += 1
+            if step == PASS:
+                continue
+            assert b is not None and key is not None, "repair_step passes every position not owned or not hashed"
+            self._register_owner(rid, g, p, key)
+            if step == PIN:
+                assert cb is not None, "ALREADY_CACHED: the CPU pool lists the key"
+                self._judged_cached.add(key)
+                self.protect_cached(cb)
+            elif step == SELECT:
+                selected.append(b)
+                keys.add(key)
+        return advance
 
-    def _protect_cached(self, cb: int) -> None:
-        """R5: pin a CPU entry judged already cached until the step ends."""
-        self.cpu_pool.touch([cb])
+    def protect_cached(self, cb: int) -> None:
+        """R5: pin a CPU entry judged already cached until the step ends. O(1)."""
+        self.sched.cpu_pool.touch([cb])
         self._held.append(cb)
 
     # -- planning: R6, R7, R8 ------------------------------------------------------------------
 
-    def _plan_before_scan(self, out: SchedulerOutput, batch: StoreBatch) -> None:
+    def plan_eager(self, out: SchedulerOutput, batch: StoreBatch) -> None:
+        """Preempted requests drop their records; the positional scan of every scheduled request
+        (R3-R5) allocates first; then the pending records are re-stored with what is left
+        (R6-R8), and the step's pins are released. O(positions scanned + records + victims)."""
         self.visits_last_plan = 0
         self.restores_last_plan = 0
         for rid in out.preempted_req_ids:
             self._drop_request(rid)
-
-    def _plan_after_scan(self, out: SchedulerOutput, batch: StoreBatch) -> None:
-        wanted = self._repair_candidates(None)
-        self.lost_keys_at_repair = len({key for _, _, key in wanted})
+        super().plan_eager(out, batch)
+        wanted = self.repair_candidates(None)
+        self.lost_keys_at_repair = len({c.key for c in wanted})
         done = self._restore(wanted)
-        for rid, gid, cid in done:
-            batch.req_ids.append(rid)
-            batch.gpu_ids.append(gid)
-            batch.cpu_ids.append(cid)
+        for r in done:
+            batch.req_ids.append(r.rid)
+            batch.gpu_ids.append(r.gpu_id)
+            batch.cpu_ids.append(r.cpu_id)
         self.restores_last_plan = len(done)
         self._release_held()
 
-    def _repair_candidates(self, finishing: tuple[str, list[list[int]]] | None) -> list[tuple[Position, int, BlockKey]]:
-        """Pending records still owned and uncovered, one per key, in record order; drops the
-        rest. ``finishing`` = (request, live table) limits them to one request. O(records)."""
-        out: list[tuple[Position, int, BlockKey]] = []
+    def allocate(self, batch: StoreBatch, rid: str, gpu_ids: list[int]) -> None:
+        """The baseline's allocation, and the keys being stored are counted in flight (R4)."""
+        self.sched.allocate_store(batch, rid, gpu_ids)
+        self._count_in_flight_keys(gpu_ids)
+
+    def repair_candidates(self, finishing: Finishing | None) -> list[Candidate]:
+        """R8: pending records still owned and uncovered, one per key, in record order; drops
+        the rest. ``finishing`` limits them to one request, read in its live table. O(records)."""
+        out: list[Candidate] = []
         keys: set[BlockKey] = set()
         for pos, key in list(self.lost.items()):
             rid, g, p = pos
-            if finishing is not None and rid != finishing[0]:
+            if finishing is not None and rid != finishing.rid:
                 continue
             self.visits_last_plan += 1
-            st = self.reqs_to_store.get(rid)
+            st = self.sched.store_state(rid)
             b = None
             if st is not None and not st.finished and p < st.num_stored_blocks[g]:
-                ids = finishing[1][g] if finishing is not None else st.block_ids[g]
-                b = self._owned_block(st, ids, g, p)
+                ids = finishing.block_ids[g] if finishing is not None else st.block_ids[g]
+                b = self.owned_block(st, ids, g, p)
             if b is None or self._covered(key):
                 del self.lost[pos]
                 continue
             if key not in keys:
                 keys.add(key)
-                out.append((pos, b, key))
+                out.append(Candidate(pos, b, key))
         return out
 
     def _acceptable_victim(self, cb: int, useless_ok: bool = True) -> bool:
         """R7: a free CPU block may be taken iff it is unhashed, not live, or (when
-        ``useless_ok``) useless."""
-        key = self.cpu_pool.block_hash[cb]
+        ``useless_ok``) useless. O(owners of its key)."""
+        key = self.sched.cpu_pool.block_hash[cb]
         if key is None or not self._is_live(key):
             return True
         if not useless_ok:
@@ -297,42 +353,64 @@ class RepairScheduler(OffloadScheduler):
         rid, g, p = next(iter(self.owners[key]))  # every owner has the same prefix, so the same parent
         if p == 0:
             return False
-        return not self._covered((self.reqs_to_store[rid].request.block_hashes[p - 1], g))
+        st = self.sched.store_state(rid)
+        assert st is not None, "a live key's owners are active requests"
+        return not self._covered((st.request.block_hashes[p - 1], g))
 
-    def _choose_victims(self, n: int) -> list[int]:
+    def choose_victims(self, n: int) -> list[int]:
         """R7: up to ``n`` acceptable victims, from (a) the head, (b) retired keys, (c) a
-        bounded refreshing walk. Refreshed entries stay pinned until the step ends."""
+        bounded refreshing walk. Refreshed entries stay pinned until the step ends.
+        O(n + retired keys skipped)."""
+        victims = self._head_victims(n)
+        if len(victims) >= n:
+            return victims
+        chosen = set(victims)
+        self._retired_victims(n, victims, chosen)
+        return self._walk_victims(n, victims, chosen)
+
+    def _head_victims(self, n: int) -> list[int]:
+        """R7 (a): the unhashed or not-live entries at the LRU head, up to the first live one. O(n)."""
         victims: list[int] = []
-        cb: int | None
-        for cb in self.cpu_pool.free_queue:  # (a)
+        for cb in self.sched.cpu_pool.free_queue:
             if len(victims) >= n:
-                return victims
+                break
             self.visits_last_plan += 1
             if not self._acceptable_victim(cb, useless_ok=False):
                 break
             victims.append(cb)
-        chosen = set(victims)
+        return victims
+
+    def _retired_victims(self, n: int, victims: list[int], chosen: set[int]) -> None:
+        """R7 (b): retired keys, oldest first, appended to ``victims``; a key owned again is
+        dropped, one pinned or still being stored waits. O(retired keys looked at)."""
+        cpu = self.sched.cpu_pool
         deferred: list[BlockKey] = []
-        while len(victims) < n and self.retired:  # (b)
+        while len(victims) < n and self.retired:
             key, _ = self.retired.popitem(last=False)
             self.visits_last_plan += 1
-            cb = self.cpu_pool.get_one_block(key)
+            cb = cpu.get_one_block(key)
             if cb is None and self.in_flight_keys.get(key, 0) > 0:
                 deferred.append(key)  # its store has not completed yet
                 continue
             if cb is None or cb in chosen or self._is_live(key):
                 continue
-            if self.cpu_pool.ref_cnt[cb] > 0:
+            if cpu.ref_cnt[cb] > 0:
                 deferred.append(key)
                 continue
             victims.append(cb)
             chosen.add(cb)
         for key in deferred:
             self.retired[key] = None
+
+    def _walk_victims(self, n: int, victims: list[int], chosen: set[int]) -> list[int]:
+        """R7 (c): walk at most ``2n + 8`` free entries from the head: not-live ones are taken,
+        live useful ones refreshed (pinned until the step ends), useless ones taken last.
+        O(n) entries."""
+        cpu = self.sched.cpu_pool
         budget = 2 * n + 8
         useless: list[int] = []  # acceptable only because their parent is lost: taken last
-        while len(victims) < n and budget > 0:  # (c)
-            cb = next((b for b in self.cpu_pool.free_queue if b not in chosen), None)
+        while len(victims) < n and budget > 0:
+            cb = next((b for b in cpu.free_queue if b not in chosen), None)
             if cb is None:
                 break
             budget -= 1
@@ -343,46 +421,49 @@ class RepairScheduler(OffloadScheduler):
             elif self._acceptable_victim(cb):
                 useless.append(cb)
             else:
-                self.cpu_pool.touch([cb])
+                cpu.touch([cb])
                 self._held.append(cb)
         return victims + useless[: n - len(victims)]
 
-    def _restore(self, wanted: list[tuple[Position, int, BlockKey]]) -> list[tuple[str, int, int]]:
+    def _restore(self, wanted: list[Candidate]) -> list[Restore]:
         """Take R7 victims for ``wanted``; pin and mark them in flight.
         O(len(wanted) + retired keys skipped + the bounded walk)."""
         if not wanted:
             return []
-        victims = self._choose_victims(len(wanted))
+        victims = self.choose_victims(len(wanted))
         if not victims:
             return []
         self.useful_evicted_by_restores += sum(1 for cb in victims if not self._acceptable_victim(cb))
         taken = wanted[: len(victims)]
-        self.cpu_pool.touch(victims)
-        self.cpu_pool.evict_blocks(victims)
-        self._on_cpu_evictions(self.cpu_pool.take_evicted())
-        for pos, _, _ in taken:
-            self.lost.pop(pos, None)
-        self._mark_in_flight([gid for _, gid, _ in taken])
-        return [(pos[0], gid, cid) for (pos, gid, _), cid in zip(taken, victims, strict=True)]
+        self.sched.take_cpu_blocks(victims)
+        for c in taken:
+            self.lost.pop(c.position, None)
+        self._mark_in_flight([c.gpu_id for c in taken])
+        return [Restore(c.position[0], c.gpu_id, cid) for c, cid in zip(taken, victims, strict=True)]
 
     def _mark_in_flight(self, gpu_ids: list[int]) -> None:
-        """R4: besides the GPU ids, count the keys being stored."""
-        super()._mark_in_flight(gpu_ids)
+        """The scheduler's marking, and the keys being stored are counted (R4). O(len(gpu_ids))."""
+        self.sched.mark_in_flight(gpu_ids)
+        self._count_in_flight_keys(gpu_ids)
+
+    def _count_in_flight_keys(self, gpu_ids: list[int]) -> None:
+        """R4: count the keys of GPU blocks whose store is planned. O(len(gpu_ids))."""
         for g in gpu_ids:
-            key = self.gpu_pool.block_hash[g]
+            key = self.sched.gpu_pool.block_hash[g]
             assert key is not None, "stores are planned for hashed blocks only"
             self.in_flight_keys[key] = self.in_flight_keys.get(key, 0) + 1
 
     def _release_held(self) -> None:
+        """The step (or flush) ends: R5 pins and R7 refreshes are released (an LRU refresh)."""
         self._judged_cached.clear()
         if self._held:
             held, self._held = self._held, []
-            self.cpu_pool.free_blocks(held)
+            self.sched.cpu_pool.free_blocks(held)
 
-    def _on_store_completed(self, t: Transfer) -> None:
-        for g in t.gpu_ids:
-            key = self.gpu_pool.block_hash[g]
-            self._unmark_key(key)
+    def on_store_completed(self, completed: Transfer) -> None:
+        """The stored keys are no longer in flight. O(len(completed.gpu_ids))."""
+        for g in completed.gpu_ids:
+            self._unmark_key(self.sched.gpu_pool.block_hash[g])
 
     def _unmark_key(self, key: BlockKey | None) -> None:
         if key is None:
@@ -395,28 +476,31 @@ class RepairScheduler(OffloadScheduler):
 
     # -- finish: R9 ----------------------------------------------------------------------------
 
-    def _queue_finished_eager_store(self, request: RequestView, block_ids: list[list[int]]) -> None:
+    def finish_flush(self, request: RequestView, block_ids: list[list[int]]) -> None:
+        """R9: the scan of ``[cursor, ready)`` of the live table, then the request's own pending
+        records with the space left; one flush transfer for both. O(positions + records)."""
         rid = request.request_id
-        st = self.reqs_to_store.get(rid)
-        if st is None:
-            return
-        selected, _ = self._select_eager_blocks_to_store(st, block_ids)
-        cpu = self._cpu_alloc(len(selected)) if selected else []
+        st = self.sched.store_state(rid)
+        assert st is not None, "finish_flush is called for requests with store state only"
+        selected = self.select(st, block_ids).gpu_ids
+        cpu = self.sched.allocate_cpu(len(selected)) if selected else []
         gpu = list(selected)
         self._mark_in_flight(selected)
-        for _, gid, cid in self._restore(self._repair_candidates((rid, block_ids))):
-            gpu.append(gid)
-            cpu.append(cid)
+        for r in self._restore(self.repair_candidates(Finishing(rid, block_ids))):
+            gpu.append(r.gpu_id)
+            cpu.append(r.cpu_id)
         self._release_held()
         if gpu:
-            self.pending_finished_stores.append(Transfer(gpu, cpu))
+            self.sched.queue_flush(Transfer(gpu, cpu))
 
-    def _on_request_finished(self, rid: str) -> None:
+    def on_request_finished(self, rid: str) -> None:
+        """R9: the finished request owns nothing any more."""
         self._drop_request(rid)
 
     # -- reset ----------------------------------------------------------------------------------
 
-    def _on_reset(self) -> None:
+    def on_reset(self) -> None:
+        """Every record, owner, count and retired key refers to abandoned work: forgotten."""
         self.owners.clear()
         self.lost.clear()
         self.in_flight_keys.clear()
@@ -426,7 +510,8 @@ class RepairScheduler(OffloadScheduler):
 
     # -- observation ----------------------------------------------------------------------------
 
-    def _policy_snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
+        """Records, keys in flight and the re-store counters."""
         return {
             "lost": sorted([rid, g, p] for rid, g, p in self.lost),
             "in_flight_keys": sorted(key_str(k) for k in self.in_flight_keys),

@@ -1,15 +1,32 @@
-"""Pure rules of the store scan, shared by the scheduler and checked by CrossHair.
+"""Pure rules of the store scan, each stated once and called by the policies that use it.
 
-Each function is a plain function of ints, bools and lists (no pools, no state), with
-its contract in PEP 316 docstring form (``pre:``/``post:``), which
-``crosshair check kvspec.model.rules`` verifies (tests/test_crosshair.py).
+Each function is a plain function of ints, bools, strings and lists (no pools, no state),
+with its contract in PEP 316 docstring form (``pre:``/``post:``), which
+``crosshair check kvspec.model.rules`` verifies (tests/test_crosshair.py). The policies
+(``kvspec.model.baseline``, ``signal_rescan``, ``repair``) gather what a position is from
+the pools and the request, pass it here, and apply the answer; none of them restates a
+rule of this module.
+
+* ``ready_blocks``, ``window_floor``: which positions a request has confirmed, and which a
+  sliding-window group has let go of.
+* ``classify_store_candidate``: what a GPU block is to a store (vLLM's classes).
+* ``scan_group``: the baseline's positional scan of one group from its cursor (vLLM 0.33.0).
+* ``rescan_end``, ``rescan_group``: PR #47235's Phase 1a rescan below the cursor and
+  Phase 1b scan above it, with the options of ``SignalRescanOptions``.
+* ``repair_step``: the repair policy's decision at one position of its scan (R3-R5).
 """
 
 from __future__ import annotations
 
-# Store-candidate classes (vLLM ``_StoreAdmission``).
+from typing import NamedTuple
+
+# Store-candidate classes (vLLM ``_StoreAdmission``), and the repair policy's "not owned".
 NULL, NOT_HASHED, IN_FLIGHT = "null", "not_hashed", "in_flight"
 ALREADY_CACHED, READY = "already_cached", "ready"
+NOT_OWNED = "not_owned"
+
+# What the repair scan does at one position (``repair_step``).
+PASS, STOP, OWN, PIN, SELECT = "pass", "stop", "own", "pin", "select"
 
 
 def ready_blocks(computed: int, placeholders: int, num_ids: int, block_size: int) -> int:
@@ -61,25 +78,113 @@ def classify_store_candidate(is_null: bool, hashed: bool, in_flight: bool, cache
     return READY
 
 
-def scan_group(flags: list[bool], taken: int, free: int) -> tuple[list[int], int]:
+class GroupScan(NamedTuple):
+    """One group's scan: the offsets selected, how far the cursor advances, and whether the
+    scan stopped short at a READY position it had no room for."""
+
+    picked: list[int]
+    advance: int
+    stopped: bool
+
+
+def scan_group(flags: list[bool], taken: int, free: int) -> GroupScan:
     """The positional scan of one group from its cursor: ``flags[k]`` says whether the k-th
     position from the cursor is READY. Non-ready positions are passed; a READY one is
     selected while the step's selection (``taken`` before this group) stays below the free
-    count, else the scan stops there without passing it. Returns the selected offsets and
-    the cursor advance. O(len(flags)).
+    count, else the scan stops there without passing it. O(len(flags)).
 
     pre: taken >= 0
-    post: 0 <= __return__[1] <= len(flags)
-    post: __return__[0] == [k for k in range(__return__[1]) if flags[k]]
-    post: taken + len(__return__[0]) <= max(free, taken)
-    post: __return__[1] == len(flags) or (flags[__return__[1]] and taken + len(__return__[0]) >= free)
+    post: 0 <= __return__.advance <= len(flags)
+    post: __return__.picked == [k for k in range(__return__.advance) if flags[k]]
+    post: taken + len(__return__.picked) <= max(free, taken)
+    post: __return__.stopped == (__return__.advance < len(flags))
+    post: not __return__.stopped or (flags[__return__.advance] and taken + len(__return__.picked) >= free)
     """
     picked: list[int] = []
     advance = 0
     for k, is_ready in enumerate(flags):
         if is_ready:
             if taken + len(picked) >= free:
-                break
+                return GroupScan(picked, advance, True)
             picked.append(k)
         advance += 1
-    return picked, advance
+    return GroupScan(picked, advance, False)
+
+
+def rescan_end(cursor: int, ready: int, num_ids: int, cap_at_ready: bool) -> int:
+    """Where PR #47235's Phase 1a rescan of ``[0, cursor)`` ends: at the cursor, capped at the
+    confirmed blocks (``cap_rescan_at_ready``) or else at the ids the request holds. O(1).
+
+    pre: 0 <= ready <= num_ids
+    pre: cursor >= 0
+    post: 0 <= __return__ <= min(cursor, num_ids)
+    post: not cap_at_ready or __return__ <= ready
+    post: __return__ == cursor or __return__ == (ready if cap_at_ready else num_ids)
+    """
+    return min(cursor, ready if cap_at_ready else num_ids)
+
+
+class Rescan(NamedTuple):
+    """One group under PR #47235: Phase 1a's re-stores (offsets from position 0), Phase 1b's
+    selection (offsets from the cursor), the cursor advance, and the positions looked at."""
+
+    restored: list[int]
+    picked: list[int]
+    advance: int
+    visits: int
+
+
+def rescan_group(stored: list[bool], new: list[bool], taken: int, free: int, oos_stops_scan: bool) -> Rescan:
+    """PR #47235 on one group (§9.2): Phase 1a re-stores the READY positions of ``stored``
+    (``[0, rescan_end)``) while there is room, never moving the cursor; Phase 1b is the
+    baseline scan (``scan_group``) of ``new`` (``[cursor, ready)``) with what is left. When
+    Phase 1a runs out of room, ``oos_stops_scan`` skips Phase 1b (``rescan_oos_stops_scan``).
+    A phase looks at the positions it passes and the one it stops at.
+    O(len(stored) + len(new)).
+
+    pre: taken >= 0
+    post: __return__.restored == [k for k, r in enumerate(stored) if r][: max(0, free - taken)]
+    post: taken + len(__return__.restored) + len(__return__.picked) <= max(free, taken)
+    post: 0 <= __return__.advance <= len(new)
+    post: __return__.picked == [k for k in range(__return__.advance) if new[k]]
+    post: __return__.advance == len(new) or free <= taken + len(__return__.restored) + len(__return__.picked)
+    post: __return__.advance == 0 or not oos_stops_scan or sum(stored) <= max(0, free - taken)
+    post: __return__.visits <= len(stored) + len(new)
+    """
+    phase_1a = scan_group(stored, taken, free)
+    visits = phase_1a.advance + phase_1a.stopped
+    if phase_1a.stopped and oos_stops_scan:
+        return Rescan(phase_1a.picked, [], 0, visits)
+    phase_1b = scan_group(new, taken + len(phase_1a.picked), free)
+    return Rescan(phase_1a.picked, phase_1b.picked, phase_1b.advance, visits + phase_1b.advance + phase_1b.stopped)
+
+
+def repair_step(kind: str, duplicate: bool, entry_free: bool, taken: int, free: int) -> str:
+    """The repair scan at one position of ``[cursor, ready)`` (R3-R5), given what the position
+    is (``kind``: NOT_OWNED, or the class of the block the request owns there, by key),
+    whether its key was selected earlier in this group (``duplicate``), whether its cached
+    CPU entry sits in the free queue (``entry_free``), the blocks selected so far for this
+    request in this step (``taken``) and the CPU free count now (``free``, lowered by pins):
+
+    * not owned or not hashed: PASS (the cursor moves on, nothing is recorded);
+    * in flight, or a duplicate of a selected key (R4): OWN (indexed as an owner, R1);
+    * already cached: PIN (owner, pinned for the step, R5), unless pinning a free entry
+      would leave less room than the selection needs: STOP;
+    * ready: SELECT while the selection stays below the free count, else STOP.
+
+    STOP ends the group's scan without passing the position. O(1).
+
+    pre: taken >= 0
+    post: __return__ in (PASS, STOP, OWN, PIN, SELECT)
+    post: (__return__ == PASS) == (kind not in (IN_FLIGHT, ALREADY_CACHED, READY))
+    post: (__return__ == SELECT) == (kind == READY and not duplicate and taken < free)
+    post: (__return__ == PIN) == (kind == ALREADY_CACHED and not (entry_free and free - 1 < taken))
+    post: (__return__ == OWN) == (kind == IN_FLIGHT or (kind == READY and duplicate))
+    """
+    if kind == READY and not duplicate:
+        return SELECT if taken < free else STOP
+    if kind == ALREADY_CACHED:
+        return STOP if entry_free and free - 1 < taken else PIN
+    if kind in (IN_FLIGHT, READY):
+        return OWN
+    return PASS

@@ -1,8 +1,9 @@
-"""vLLM 0.33.0's ``SimpleCPUOffloadScheduler``: the ``baseline`` policy, rule for rule.
+"""vLLM 0.33.0's ``SimpleCPUOffloadScheduler``: the mechanism every re-store policy shares.
 
-The scheduler owns a CPU ``BlockPool`` and is bound to the GPU pool. It decides which
-GPU blocks to copy to CPU (stores) and which CPU hits to copy back (loads), and keeps
-the bookkeeping that makes those copies safe.
+The scheduler owns a CPU ``BlockPool`` and is bound to the GPU pool. It copies GPU
+blocks to CPU (stores) and CPU hits back (loads), and keeps the bookkeeping that makes
+those copies safe; a *re-store policy* (``kvspec.contract.policy.StorePolicy``) decides
+which GPU blocks an eager step stores.
 
 Rules (section numbers refer to docs/vllm-semantics.md):
 
@@ -12,14 +13,13 @@ Rules (section numbers refer to docs/vllm-semantics.md):
   or ``reset`` releases it.
 * **Load registration (§7.4):** the accepted part of the hit is loaded into the GPU
   blocks that follow the local hit; both sides get a ref for the transfer.
-* **Eager stores (§7.6):** each scheduled request is scanned from its per-group
-  cursor up to its *confirmed* full blocks (tokens computed in earlier steps). A
-  position is skipped for good (cursor advances) when its block is null and not
-  recoverable from the GPU prefix cache, unhashed, in flight, or already cached on
-  CPU; otherwise it is selected, a CPU block is allocated (possibly *evicting* a
-  cached entry) and both blocks are pinned until the store completes. Out of CPU
-  space stops the scan without advancing. The cursor never looks back: an entry
-  evicted below it is never stored again (**the FIXME**).
+* **Eager stores (§7.6):** the scheduler keeps each request's store state (the GPU
+  ids accumulated from the step outputs, one cursor per group; a preempted request
+  starts over, a full table replaces the ids) and asks its *policy* which positions to
+  store. A selected GPU block gets a CPU block (the allocation may *evict* a cached
+  entry, which the policy is told) and both are pinned until the store completes.
+  Which positions are selected, and what happens to entries evicted below a cursor,
+  is the policy's: ``kvspec.model.baseline`` is vLLM 0.33.0's scan and its FIXME.
 * **Lazy stores (§7.7):** free hashed GPU blocks near the GPU LRU head that the CPU
   does not hold are copied; a cursor into the GPU free queue resumes the walk.
 * **Events (§7.5):** at most one store and one load event per step; event ids count
@@ -27,22 +27,35 @@ Rules (section numbers refer to docs/vllm-semantics.md):
 * **Completion (§7.8, §7.9):** worker counts accumulate across steps; at
   ``world_size`` the event completes: each CPU block is registered under its GPU
   block's key read *now*, then both sides are freed (CPU blocks to the MRU tail).
-* **Finish (§7.10, §7.13):** confirmed-but-unstored blocks at or after the cursor are
-  flushed (CPU blocks allocated now); the request state is removed, or kept until
-  its last store event completes.
+* **Finish (§7.10, §7.13):** an eager request's policy queues the finish flush of its
+  live table (CPU blocks allocated now, the copies join the next store event); the
+  request state is removed, or kept until its last store event completes.
 * **Reset (§7.12):** pins and queued flushes are released, sent transfers are
   abandoned (their refs held until the workers report), store state forgotten;
   True iff nothing abandoned remains and the CPU cache could be cleared.
 
-Policies (``signal-rescan``, ``repair``) and bug variants subclass this class and
-override the hooks named ``_select_*``, ``_advance_cursors``, ``_plan_*`` and
-``_on_cpu_evictions``; everything else is shared.
+The policy is an object the scheduler holds (``self.policy``), built from
+``POLICY_REGISTRY[config.policy].model`` unless a factory is passed. It implements
+``StorePolicy`` with the model's types (``ModelPolicy``: a ``StoreBatch``, the evicted
+(CPU block, key) pairs, a completed ``Transfer``) and is called at the points its
+methods name: ``plan_eager`` inside ``build_connector_meta`` after the preemption reset,
+``finish_flush`` for an eager request's finish, ``on_cpu_evictions`` after every CPU
+allocation or take, ``on_store_completed``, ``on_request_finished``, ``on_reset``, and
+``snapshot`` for ``policy_state``. What a policy may use of the scheduler is its
+*policy-facing interface* (documented below, under that heading): ``store_state`` and
+``scheduled_store_states`` (per-request store state), ``ready_blocks``,
+``store_source``, ``classify`` and ``ready_sources`` (what a position holds),
+``allocate_cpu`` and ``take_cpu_blocks`` (CPU blocks, evictions reported to the
+policy), ``mark_in_flight``, ``allocate_store`` and ``queue_flush`` (stores), plus the
+pools and the configuration. Everything else here is the scheduler's own.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, TypeAlias
 
 from kvspec.contract.checks import (
     check_block_ids,
@@ -54,6 +67,7 @@ from kvspec.contract.checks import (
 )
 from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import InvalidOperationError
+from kvspec.contract.policy import POLICY_REGISTRY, StorePolicy
 from kvspec.contract.snapshot import Transfer as Transfer_
 from kvspec.contract.snapshot import scheduler_section
 from kvspec.contract.types import (
@@ -67,12 +81,7 @@ from kvspec.contract.types import (
 from kvspec.model.block_pool import NULL_BLOCK, BlockPool
 from kvspec.model.hashing import BlockKey
 from kvspec.model.hit_search import find_longest_cache_hit
-from kvspec.model.rules import ALREADY_CACHED as ALREADY_CACHED  # the store-candidate classes, re-exported
-from kvspec.model.rules import IN_FLIGHT as IN_FLIGHT
-from kvspec.model.rules import NOT_HASHED as NOT_HASHED
-from kvspec.model.rules import NULL as NULL
-from kvspec.model.rules import READY as READY
-from kvspec.model.rules import classify_store_candidate, ready_blocks, scan_group
+from kvspec.model.rules import READY, classify_store_candidate, ready_blocks
 
 
 @dataclass
@@ -123,22 +132,41 @@ class StoreBatch:
     req_ids: list[str] = field(default_factory=list)
 
 
+Evicted: TypeAlias = list[tuple[int, BlockKey]]
+"""What one CPU allocation evicted: (CPU block, key) pairs, in eviction order."""
+
+ModelPolicy: TypeAlias = StorePolicy[StoreBatch, Evicted, Transfer]
+"""The re-store policy contract with the model's types; the model's policies subclass it,
+so that mypy checks every method against the contract."""
+
+PolicyFactory: TypeAlias = Callable[["OffloadScheduler"], ModelPolicy]
+"""Builds a scheduler's policy, bound to that scheduler (a policy class is one)."""
+
+
+class PolicyClass(Protocol):
+    """A model policy class as the registry names it: a factory that also states its claims."""
+
+    def __call__(self, sched: OffloadScheduler) -> ModelPolicy: ...
+
+    def claims(self, config: OffloadConfig) -> tuple[str, ...]:
+        """Invariant ids the policy guarantees under ``config``."""
+        ...
+
+
+def policy_class(name: str) -> PolicyClass:
+    """The model's class for policy ``name``: ``POLICY_REGISTRY[name].model``
+    (``module:attribute``), imported now. O(1) after the first import."""
+    module, _, attribute = POLICY_REGISTRY[name].model.partition(":")
+    cls: PolicyClass = getattr(importlib.import_module(module), attribute)
+    return cls
+
+
 class OffloadScheduler:
-    """The ``baseline`` policy: vLLM 0.33.0 as it is."""
+    """vLLM 0.33.0's offload scheduler around a re-store policy (``self.policy``)."""
 
-    policy_name = "baseline"
-
-    @classmethod
-    def claims(cls, config: OffloadConfig) -> tuple[str, ...]:
-        """Invariant ids this policy guarantees under ``config`` (vLLM 0.33.0's own guarantees).
-        Stale sliding-window ids break I8 and I10 (§10.6, H4), so they are claimed only for
-        full-attention-only configurations; completeness (C1) is not claimed: the FIXME."""
-        ids = ["I1", "I2", "I3", "I4", "I5", "I6", "I7", "I9", "I11", "I12", "I13", "I14", "I15"]
-        if all(g.kind == "full" for g in config.groups):
-            ids += ["I8", "I10"]
-        return tuple(ids)
-
-    def __init__(self, config: OffloadConfig, gpu_pool: BlockPool) -> None:
+    def __init__(self, config: OffloadConfig, gpu_pool: BlockPool, policy: PolicyFactory | None = None) -> None:
+        """``policy`` builds the re-store policy; by default the registry's class for
+        ``config.policy``."""
         config.validate()
         self.config = config
         self.gpu_pool = gpu_pool
@@ -164,6 +192,7 @@ class OffloadScheduler:
         self.load_event_counter = 0
         self.store_event_counter = 0
         self.store_event_pending_counts: dict[int, int] = {}
+        self.policy: ModelPolicy = (policy or policy_class(config.policy))(self)
 
     # == loads: lookup (Phase A) and registration (Phase B) ====================================
 
@@ -284,104 +313,59 @@ class OffloadScheduler:
         check_scheduler_output(out, self.num_groups, self.gpu_pool.num_blocks)
 
     def _plan_eager(self, out: SchedulerOutput) -> StoreBatch:
-        """vLLM ``_prepare_eager_store_specs``: preemption reset, then the positional scan."""
+        """vLLM ``_prepare_eager_store_specs``: the preemption reset, then the policy's plan;
+        each request the batch serves is listed once."""
         batch = StoreBatch()
         for rid in out.preempted_req_ids:
             st = self.reqs_to_store.get(rid)
             if st is not None:
                 self._reset_after_preemption(st)
-        self._plan_before_scan(out, batch)
-        for rid, new_ids, full_table in yield_req_data(out):
-            st = self.reqs_to_store.get(rid)
-            if st is None or st.finished:
-                continue
-            if full_table:
-                self._replace_for_full_table(st)
-            if new_ids is not None:
-                for g, ids in enumerate(new_ids):
-                    if ids is not None:
-                        st.block_ids[g].extend(ids)
-            if out.num_scheduled_tokens.get(rid, 0) == 0:
-                continue
-            selected, advance = self._select_eager_blocks_to_store(st, st.block_ids)
-            if selected:
-                self._allocate_store(batch, rid, selected)
-            self._advance_cursors(st, advance)
-        self._plan_after_scan(out, batch)
+        self.policy.plan_eager(out, batch)
         batch.req_ids = list(dict.fromkeys(batch.req_ids))
         return batch
-
-    def _allocate_store(self, batch: StoreBatch, rid: str | None, selected: list[int]) -> None:
-        """Allocate CPU destinations for ``selected`` GPU blocks and pin both sides."""
-        cpu_ids = self._cpu_alloc(len(selected))
-        if rid is not None:
-            batch.req_ids.append(rid)
-        batch.gpu_ids += selected
-        batch.cpu_ids += cpu_ids
-        self._mark_in_flight(selected)
-
-    def _mark_in_flight(self, gpu_ids: list[int]) -> None:
-        """Eager stores pin their GPU blocks and mark them in flight until completion."""
-        self.in_flight_store_gpu_blocks |= set(gpu_ids)
-        self.gpu_pool.touch(gpu_ids)
-
-    def _cpu_alloc(self, n: int) -> list[int]:
-        """Every CPU allocation goes through here so policies see what it evicted."""
-        blocks = self.cpu_pool.get_new_blocks(n)
-        self._on_cpu_evictions(self.cpu_pool.take_evicted())
-        return blocks
 
     def _reset_after_preemption(self, st: StoreState) -> None:
         """A preempted request starts over: no ids, cursors at 0 (the #57816 fix)."""
         st.block_ids = [[] for _ in range(self.num_groups)]
         st.num_stored_blocks = [0] * self.num_groups
 
-    def _replace_for_full_table(self, st: StoreState) -> None:
-        """A full table replaces the accumulated ids; cursors are kept."""
-        st.block_ids = [[] for _ in range(self.num_groups)]
+    # -- the policy-facing interface ------------------------------------------------------------
 
-    # -- policy hooks (baseline behaviour) ------------------------------------------------------
+    def store_state(self, rid: str) -> StoreState | None:
+        """The eager store state of request ``rid``, or None when it has none (lazy mode, never
+        allocated, or gone after its finish or a reset). O(1)."""
+        return self.reqs_to_store.get(rid)
 
-    def _plan_before_scan(self, out: SchedulerOutput, batch: StoreBatch) -> None:
-        """Hook: runs after the preemption reset, before the positional scan."""
+    def scheduled_store_states(self, out: SchedulerOutput) -> Iterator[StoreState]:
+        """The store states a planning step scans, in vLLM's order (``yield_req_data``: new
+        requests first): for each listed request with live store state, a full table
+        (new or resumed) replaces the accumulated ids and the step's new ids are appended
+        (cursors are kept); it is yielded when the step schedules tokens for it. Lazily:
+        each request's ids are updated just before it is yielded, after the earlier
+        requests' stores were planned, as in vLLM; consume it in order. O(requests + ids)."""
+        for rid, new_ids, full_table in yield_req_data(out):
+            st = self.reqs_to_store.get(rid)
+            if st is None or st.finished:
+                continue
+            if full_table:
+                st.block_ids = [[] for _ in range(self.num_groups)]
+            if new_ids is not None:
+                for g, ids in enumerate(new_ids):
+                    if ids is not None:
+                        st.block_ids[g].extend(ids)
+            if out.num_scheduled_tokens.get(rid, 0) > 0:
+                yield st
 
-    def _plan_after_scan(self, out: SchedulerOutput, batch: StoreBatch) -> None:
-        """Hook: runs after the positional scan, before flush transfers are appended."""
-
-    def _on_cpu_evictions(self, evicted: list[tuple[int, BlockKey]]) -> None:
-        """Hook: (CPU block, key) pairs that the last CPU allocation evicted."""
-
-    def _advance_cursors(self, st: StoreState, advance: list[int]) -> None:
-        """Baseline: the cursor moves forward by what the scan passed (relative)."""
-        for g, a in enumerate(advance):
-            st.num_stored_blocks[g] += a
-
-    def _select_eager_blocks_to_store(self, st: StoreState,
-                                      ids_by_group: list[list[int]]) -> tuple[list[int], list[int]]:
-        """vLLM ``_select_eager_blocks_to_store``: the scan of ``[cursor, ready)`` per group."""
-        selected: list[int] = []
-        advance = [0] * self.num_groups
-        free = self.cpu_pool.get_num_free_blocks()
-        for g, ids in enumerate(ids_by_group):
-            if len(selected) >= free:
-                break
-            start = st.num_stored_blocks[g]
-            sources = [self._store_source(st, g, i, ids[i]) for i in range(start, self._ready_blocks(st, ids))]
-            picked, advance[g] = scan_group([gid is not None and self._classify(gid) == READY for gid in sources],
-                                            len(selected), free)
-            selected += cast("list[int]", [sources[k] for k in picked])  # picked sources are not None
-        return selected, advance
-
-    # -- shared scan helpers --------------------------------------------------------------------
-
-    def _ready_blocks(self, st: StoreState, ids: list[int]) -> int:
-        """Confirmed full blocks: computed tokens minus output placeholders, capped at the list."""
+    def ready_blocks(self, st: StoreState, ids: list[int]) -> int:
+        """Confirmed full blocks of ``st`` in the list ``ids`` (``rules.ready_blocks``: computed
+        tokens minus output placeholders, capped at the list). O(1)."""
         return ready_blocks(st.request.num_computed_tokens, st.request.num_output_placeholders, len(ids),
                             self.block_size)
 
-    def _store_source(self, st: StoreState, g: int, i: int, gid: int) -> int | None:
-        """The GPU block to store for position i: itself, or for a null entry the GPU prefix
-        cache's block for the position's key (vLLM's null recovery); None if neither."""
+    def store_source(self, st: StoreState, g: int, i: int, gid: int) -> int | None:
+        """The GPU block to store for position ``i`` of group ``g`` holding ``gid``: itself,
+        or for a null entry the GPU prefix cache's block for the position's key (vLLM's
+        null recovery); None if neither. O(1)."""
         if gid != NULL_BLOCK:
             return gid
         hashes = st.request.block_hashes
@@ -390,11 +374,59 @@ class OffloadScheduler:
         got = self.gpu_pool.get_cached_block(hashes[i], [g])
         return None if got is None else got[0]
 
-    def _classify(self, gid: int) -> str:
-        """vLLM ``_classify_store_candidate`` (``rules.classify_store_candidate``)."""
+    def classify(self, gid: int) -> str:
+        """vLLM ``_classify_store_candidate`` of GPU block ``gid`` (``rules.classify_store_candidate``):
+        in flight means its id is in the in-flight set, cached that the CPU holds its key. O(1)."""
         key = None if gid == NULL_BLOCK else self.gpu_pool.block_hash[gid]
         return classify_store_candidate(gid == NULL_BLOCK, key is not None, gid in self.in_flight_store_gpu_blocks,
                                         key is not None and self.cpu_pool.get_one_block(key) is not None)
+
+    def ready_sources(self, st: StoreState, g: int, ids: list[int], positions: range) -> list[int]:
+        """For each position of ``positions`` in group ``g`` (ids ``ids``): its store source
+        when that is READY (``store_source``, then ``classify``), else ``NULL_BLOCK`` (never a
+        READY block). O(len(positions))."""
+        out: list[int] = []
+        for i in positions:
+            gid = self.store_source(st, g, i, ids[i])
+            out.append(gid if gid is not None and self.classify(gid) == READY else NULL_BLOCK)
+        return out
+
+    def allocate_cpu(self, n: int) -> list[int]:
+        """``n`` new CPU blocks, LRU head first; the entries the allocation evicted go to the
+        policy (``on_cpu_evictions``) before this returns. Every CPU allocation of the
+        scheduler and its policy goes through here. O(n)."""
+        blocks = self.cpu_pool.get_new_blocks(n)
+        self.policy.on_cpu_evictions(self.cpu_pool.take_evicted())
+        return blocks
+
+    def take_cpu_blocks(self, block_ids: list[int]) -> None:
+        """Take these free CPU blocks as an allocation would (``touch`` + ``evict_blocks``, both
+        on vLLM's ``BlockPool``): referenced, and a cached one's entry evicted, which goes to
+        the policy before this returns. O(len(block_ids))."""
+        self.cpu_pool.touch(block_ids)
+        self.cpu_pool.evict_blocks(block_ids)
+        self.policy.on_cpu_evictions(self.cpu_pool.take_evicted())
+
+    def mark_in_flight(self, gpu_ids: list[int]) -> None:
+        """Eager stores pin their GPU blocks (ref +1) and mark them in flight until their
+        event completes or is abandoned. O(len(gpu_ids))."""
+        self.in_flight_store_gpu_blocks |= set(gpu_ids)
+        self.gpu_pool.touch(gpu_ids)
+
+    def allocate_store(self, batch: StoreBatch, rid: str, gpu_ids: list[int]) -> None:
+        """Add the stores of ``gpu_ids`` for request ``rid`` to this step's ``batch``: CPU
+        destinations from ``allocate_cpu``, then both sides pinned (``mark_in_flight``).
+        O(len(gpu_ids))."""
+        cpu_ids = self.allocate_cpu(len(gpu_ids))
+        batch.req_ids.append(rid)
+        batch.gpu_ids += gpu_ids
+        batch.cpu_ids += cpu_ids
+        self.mark_in_flight(gpu_ids)
+
+    def queue_flush(self, transfer: Transfer) -> None:
+        """Queue a finish flush whose CPU blocks are allocated and whose GPU blocks are
+        marked in flight; it joins the next store event, after that step's plan. O(1)."""
+        self.pending_finished_stores.append(transfer)
 
     # -- lazy -----------------------------------------------------------------------------------
 
@@ -417,7 +449,7 @@ class OffloadScheduler:
                 selected.append(b)
         self.lazy_cursor = last
         if selected:
-            batch.cpu_ids = self._cpu_alloc(len(selected))
+            batch.cpu_ids = self.allocate_cpu(len(selected))
             batch.gpu_ids = selected
             self.gpu_pool.touch(selected)
         return batch
@@ -465,16 +497,13 @@ class OffloadScheduler:
             self.cpu_pool.insert_block_hash(key, c)
         self.cpu_pool.free_blocks(t.cpu_ids)
         self.gpu_pool.free_blocks(t.gpu_ids)
-        self._on_store_completed(t)
+        self.policy.on_store_completed(t)
         for rid in self.store_event_to_reqs.pop(e, []):
             st = self.reqs_to_store.get(rid)
             if st is not None:
                 st.store_events.discard(e)
                 if st.finished and not st.store_events:
                     self._cleanup_store_request(rid)
-
-    def _on_store_completed(self, t: Transfer) -> None:
-        """Hook: a live store transfer completed and was registered."""
 
     def _release_transfer_refs(self, t: Transfer) -> None:
         self.cpu_pool.free_blocks(t.cpu_ids)
@@ -505,11 +534,13 @@ class OffloadScheduler:
     # == finish ================================================================================
 
     def request_finished_all_groups(self, request: RequestView, block_ids: BlockIds) -> tuple[bool, None]:
-        """Flush confirmed-but-unstored blocks of the live table, then finish (§7.13, §7.10)."""
-        check_request(request, "request_finished")
+        """An eager request's policy queues the finish flush of the live table (§7.13); then
+        ``request_finished`` (§7.10)."""
+        rid = check_request(request, "request_finished")
         ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "request_finished",
                                 none_groups=False)
-        self._queue_finished_eager_store(request, [list(g) for g in ids])
+        if not self.lazy_mode and rid in self.reqs_to_store:
+            self.policy.finish_flush(request, [list(g) for g in ids])
         return self.request_finished(request)
 
     def request_finished(self, request: RequestView) -> tuple[bool, None]:
@@ -530,27 +561,8 @@ class OffloadScheduler:
                 ss.finished = True
             else:
                 self._cleanup_store_request(rid)
-        self._on_request_finished(rid)
+        self.policy.on_request_finished(rid)
         return False, None
-
-    def _on_request_finished(self, rid: str) -> None:
-        """Hook: the request's store state is finished or gone."""
-
-    def _queue_finished_eager_store(self, request: RequestView, block_ids: list[list[int]]) -> None:
-        st = self.reqs_to_store.get(request.request_id)
-        if st is None or self.lazy_mode:
-            return
-        selected = self._select_finish_flush(st, block_ids)
-        if not selected:
-            return
-        cpu_ids = self._cpu_alloc(len(selected))
-        self.pending_finished_stores.append(Transfer(selected, cpu_ids))
-        self._mark_in_flight(selected)
-
-    def _select_finish_flush(self, st: StoreState, block_ids: list[list[int]]) -> list[int]:
-        """Baseline flush: the ordinary scan over the live table; cursors not written back."""
-        selected, _ = self._select_eager_blocks_to_store(st, block_ids)
-        return selected
 
     # == reset =================================================================================
 
@@ -578,13 +590,10 @@ class OffloadScheduler:
             e: c for e, c in self.store_event_pending_counts.items() if e in self.abandoned_store_event_to_blocks
         }
         self.lazy_cursor = None
-        self._on_reset()
+        self.policy.on_reset()
         if self.abandoned_store_event_to_blocks or self.abandoned_reqs_to_load:
             return False
         return self.cpu_pool.reset_prefix_cache()
-
-    def _on_reset(self) -> None:
-        """Hook: policy state to forget at reset."""
 
     def has_pending_stores(self) -> bool:
         return bool(self.pending_finished_stores or self.store_event_to_blocks
@@ -605,7 +614,7 @@ class OffloadScheduler:
             return (st.transfer.gpu_ids, st.transfer.cpu_ids), st.load_event, st.finished
 
         return scheduler_section(
-            policy=self.policy_name,
+            policy=self.policy.name,
             lazy=self.lazy_mode,
             lazy_cursor=self.lazy_cursor,
             pending_cpu_hits={r: (p.blocks, p.hit_len, p.num_computed_tokens)
@@ -623,12 +632,8 @@ class OffloadScheduler:
             load_event_counter=self.load_event_counter,
             store_event_counter=self.store_event_counter,
             store_event_pending_counts=self.store_event_pending_counts,
-            policy_state=self._policy_snapshot(),
+            policy_state=self.policy.snapshot(),
         )
-
-    def _policy_snapshot(self) -> dict[str, Any]:
-        """Hook: policy-specific state (empty for the baseline)."""
-        return {}
 
     def _check(self) -> None:
         """The invariants that need only this scheduler's own state (pools, I3-I4, I6-I9, I13)."""

@@ -1,6 +1,6 @@
 """The ``signal-rescan`` policy: PR #47235 as its description states it (§9.1-9.2).
 
-Rules added to the baseline:
+Rules added to the baseline (``kvspec.model.baseline``):
 
 * **Eviction signal:** any CPU allocation that removes a cached entry sets one
   pool-wide flag; ``consume_eviction_signal`` reads and clears it. The flag follows
@@ -12,6 +12,9 @@ Rules added to the baseline:
   moves the cursor.
 * **Phase 1b:** the baseline scan of ``[cursor, ready)``.
 * **Absolute cursor:** the cursor is *assigned* ``cursor + Phase-1b advance``.
+
+Both phases of one group are ``rules.rescan_group`` (Phase 1a's end is
+``rules.rescan_end``); the group loop is the baseline's.
 
 Open details of §9.2, as options with their defaults:
 
@@ -30,25 +33,30 @@ was evicted since the last step, i.e. O(sum of cursors) per step under CPU press
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from kvspec.contract.config import OffloadConfig
-from kvspec.contract.types import SchedulerOutput
-from kvspec.model.block_pool import BlockPool
-from kvspec.model.hashing import BlockKey
-from kvspec.model.scheduler import READY, OffloadScheduler, StoreBatch, StoreState
+from kvspec.contract.types import RequestView, SchedulerOutput
+from kvspec.model.baseline import BaselinePolicy, GroupSelection
+from kvspec.model.block_pool import NULL_BLOCK
+from kvspec.model.rules import rescan_end, rescan_group
+from kvspec.model.scheduler import Evicted, OffloadScheduler, StoreBatch, StoreState
 
 
 @dataclass(frozen=True)
 class SignalRescanOptions:
+    """The open details of §9.2 (see the module docstring)."""
+
     cap_rescan_at_ready: bool = True
     rescan_oos_stops_scan: bool = False
     reset_clears_flag: bool = False
     flush_rescans: bool = False
 
 
-class SignalRescanScheduler(OffloadScheduler):
-    policy_name = "signal-rescan"
+class SignalRescanPolicy(BaselinePolicy):
+    """PR #47235: one pool-wide eviction flag; a step that consumes it rescans every cursor."""
+
+    name: ClassVar[str] = "signal-rescan"
 
     @classmethod
     def claims(cls, config: OffloadConfig) -> tuple[str, ...]:
@@ -56,76 +64,53 @@ class SignalRescanScheduler(OffloadScheduler):
         (H1, H3, H6) and is checked as a known bug (``pr47235-flag`` in the bug catalogue)."""
         return super().claims(config)
 
-    def __init__(self, config: OffloadConfig, gpu_pool: BlockPool,
-                 options: SignalRescanOptions | None = None) -> None:
-        super().__init__(config, gpu_pool)
+    def __init__(self, sched: OffloadScheduler, options: SignalRescanOptions | None = None) -> None:
+        super().__init__(sched)
         self.options = options or SignalRescanOptions()
         self.eviction_flag = False
-        self._rescan = False
-        self.visits_last_plan = 0
+        self.rescan = False  # whether the scan running now includes Phase 1a
+        self.visits_last_plan = 0  # positions the last planning step (and flushes since) looked at
 
     def consume_eviction_signal(self) -> bool:
         """Read and clear the eviction flag. O(1)."""
         was, self.eviction_flag = self.eviction_flag, False
         return was
 
-    def _on_cpu_evictions(self, evicted: list[tuple[int, BlockKey]]) -> None:
+    def on_cpu_evictions(self, evicted: Evicted) -> None:
+        """Any removal sets the flag. O(1)."""
         if evicted:
             self.eviction_flag = True
 
-    def _plan_before_scan(self, out: SchedulerOutput, batch: StoreBatch) -> None:
-        self._rescan = self.consume_eviction_signal()
+    def plan_eager(self, out: SchedulerOutput, batch: StoreBatch) -> None:
+        """The flag is consumed once, before the request loop: it decides Phase 1a for the
+        whole step. Then the baseline's loop. O(positions scanned)."""
+        self.rescan = self.consume_eviction_signal()
         self.visits_last_plan = 0
+        super().plan_eager(out, batch)
 
-    def _select_eager_blocks_to_store(self, st: StoreState,
-                                      ids_by_group: list[list[int]]) -> tuple[list[int], list[int]]:
-        return self._select(st, ids_by_group, self._rescan)
+    def finish_flush(self, request: RequestView, block_ids: list[list[int]]) -> None:
+        """The baseline's flush; it rescans only under ``flush_rescans`` while the flag is set,
+        without consuming it. O(positions scanned)."""
+        self.rescan = self.options.flush_rescans and self.eviction_flag
+        super().finish_flush(request, block_ids)
 
-    def _select_finish_flush(self, st: StoreState, block_ids: list[list[int]]) -> list[int]:
-        return self._select(st, block_ids, self.options.flush_rescans and self.eviction_flag)[0]
+    def select_group(self, st: StoreState, g: int, ids: list[int], taken: int, free: int) -> GroupSelection:
+        """``rules.rescan_group``: Phase 1a over ``[0, rescan_end)`` when rescanning, Phase 1b
+        over ``[cursor, ready)``; the advance is Phase 1b's. O(rescan_end + ready - cursor)."""
+        cursor, ready = st.num_stored_blocks[g], self.sched.ready_blocks(st, ids)
+        end = rescan_end(cursor, ready, len(ids), self.options.cap_rescan_at_ready) if self.rescan else 0
+        stored = self.sched.ready_sources(st, g, ids, range(end))
+        new = self.sched.ready_sources(st, g, ids, range(cursor, ready))
+        scan = rescan_group([gid != NULL_BLOCK for gid in stored], [gid != NULL_BLOCK for gid in new], taken, free,
+                            self.options.rescan_oos_stops_scan)
+        self.visits_last_plan += scan.visits
+        return GroupSelection([stored[k] for k in scan.restored] + [new[k] for k in scan.picked], scan.advance)
 
-    def _select(self, st: StoreState, ids_by_group: list[list[int]], rescan: bool) -> tuple[list[int], list[int]]:
-        """Phase 1a over [0, cursor) when ``rescan``, then Phase 1b; returns absolute cursors."""
-        selected: list[int] = []
-        cursor = list(st.num_stored_blocks)
-        free = self.cpu_pool.get_num_free_blocks()
-        for g, ids in enumerate(ids_by_group):
-            if len(selected) >= free:
-                break
-            already, ready = st.num_stored_blocks[g], self._ready_blocks(st, ids)
-            out_of_space = False
-            if rescan:
-                end = min(already, ready) if self.options.cap_rescan_at_ready else min(already, len(ids))
-                for i in range(end):
-                    self.visits_last_plan += 1
-                    gid = self._store_source(st, g, i, ids[i])
-                    if gid is None or self._classify(gid) != READY:
-                        continue
-                    if len(selected) >= free:
-                        out_of_space = True
-                        break
-                    selected.append(gid)
-            if out_of_space and self.options.rescan_oos_stops_scan:
-                continue
-            for i in range(already, ready):
-                self.visits_last_plan += 1
-                gid = self._store_source(st, g, i, ids[i])
-                if gid is None or self._classify(gid) != READY:
-                    cursor[g] += 1
-                    continue
-                if len(selected) >= free:
-                    break
-                selected.append(gid)
-                cursor[g] += 1
-        return selected, cursor
-
-    def _advance_cursors(self, st: StoreState, advance: list[int]) -> None:
-        """Absolute cursor: assign, do not add."""
-        st.num_stored_blocks = list(advance)
-
-    def _on_reset(self) -> None:
+    def on_reset(self) -> None:
+        """Under ``reset_clears_flag`` the flag is cleared."""
         if self.options.reset_clears_flag:
             self.eviction_flag = False
 
-    def _policy_snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
+        """``eviction_flag``."""
         return {"eviction_flag": self.eviction_flag}

@@ -79,10 +79,10 @@ def measure(policy: str, stored: int, steps: int) -> dict[str, Any]:
         e.op_add(rid, family=1000 + k, prompt_len=CHURN_BLOCKS * 16 + 1, max_tokens=1)
         times.clear()
         m1 = e.op_step(admit=[rid])
-        v1 = int(target.visits_last_plan)
+        v1 = int(target.policy.visits_last_plan)
         e.op_finish(rid)  # the finish flush allocates 2 CPU blocks now: 2 evictions
         m2 = e.op_step()  # the first planning step after those evictions
-        v2 = int(target.visits_last_plan)
+        v2 = int(target.policy.visits_last_plan)
         _drain(e)
         if k >= warmup:
             visits += [v1, v2]

@@ -3,8 +3,9 @@
 
 Nothing is drawn by hand: each picture runs the engine model (``kvspec.drivers.engine``)
 on a fixed operation sequence, takes snapshots, and renders what they contain as SVG
-text (no plotting dependency). The output is deterministic, so the committed files
-can be compared with a fresh run (tests/test_pictures.py).
+text with the renderer finding pages use (``kvspec.report.svg``: cells, cursor bars and
+legends; ``kvspec.report.positions``: what each position is). The output is deterministic, so
+the committed files can be compared with a fresh run (tests/test_pictures.py).
 
 Pictures:
 
@@ -29,11 +30,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from xml.sax.saxutils import escape
 
 from kvspec.contract.config import OffloadConfig
 from kvspec.drivers.engine import Engine
 from kvspec.model import make_scheduler
+from kvspec.report.positions import CPU, EMPTY, GPU, LOST, RECORDED, STORING, SnapshotView
+from kvspec.report.svg import CELL_FILL, CellBox, Svg, draw_lane, draw_legend
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "specs" / "pictures"
@@ -49,54 +51,8 @@ T2_PREFIX: list[dict[str, Any]] = [
 ]
 DECODE_STEPS = 6
 
-FONT = "font-family=\"DejaVu Sans Mono, Menlo, Consolas, monospace\""
-COLORS = {
-    "cached": "#7fc97f",
-    "storing": "#80b1d3",
-    "hole": "#e41a1c",
-    "recorded": "#fdb462",
-    "unscanned": "#eeeeee",
-    "free": "#ffffff",
-    "in_use": "#d9d9d9",
-}
-
-
-# -- SVG text --------------------------------------------------------------------------------
-
-
-class Svg:
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.width = 0
-        self.height = 0
-
-    def _grow(self, x: float, y: float) -> None:
-        self.width = max(self.width, int(x) + 10)
-        self.height = max(self.height, int(y) + 10)
-
-    def rect(self, x: float, y: float, w: float, h: float, fill: str, stroke: str = "#333333",
-             stroke_width: float = 1) -> None:
-        self.parts.append(f'<rect x="{x}" y="{y}" width="{w}" height="{h}" fill="{fill}" stroke="{stroke}" '
-                          f'stroke-width="{stroke_width}"/>')
-        self._grow(x + w, y + h)
-
-    def text(self, x: float, y: float, s: str, size: int = 12, anchor: str = "start", weight: str = "normal",
-             fill: str = "#000000") -> None:
-        self.parts.append(f'<text x="{x}" y="{y}" font-size="{size}" text-anchor="{anchor}" '
-                          f'font-weight="{weight}" fill="{fill}" {FONT}>{escape(s)}</text>')
-        self._grow(x + (len(s) * size * 0.62 if anchor == "start" else 0), y + 4)
-
-    def line(self, x1: float, y1: float, x2: float, y2: float, stroke: str = "#000000", width: float = 1) -> None:
-        self.parts.append(f'<line x1="{x1}" y1="{y1}" x2="{x2}" y2="{y2}" stroke="{stroke}" '
-                          f'stroke-width="{width}"/>')
-        self._grow(max(x1, x2), max(y1, y2))
-
-    def render(self, title: str) -> str:
-        head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{self.width}" height="{self.height}" '
-                f'viewBox="0 0 {self.width} {self.height}">')
-        return "\n".join([head, f"<title>{escape(title)}</title>",
-                          f'<rect x="0" y="0" width="{self.width}" height="{self.height}" fill="#ffffff"/>',
-                          *self.parts, "</svg>"]) + "\n"
+CURSOR_BOX = CellBox(36, 24, 4)  # the cursor picture's cells: 36 x 24, 4 apart
+LRU_MEANINGS = {CPU: "hashed, in the prefix map", EMPTY: "unhashed", STORING: "store destination"}
 
 
 # -- running the model -----------------------------------------------------------------------
@@ -194,7 +150,7 @@ def draw_lru(frames: list[LruFrame]) -> str:
         by = y + 16
         for j, (b, lab) in enumerate(f.queue):
             x = qx + j * (bw + 6)
-            svg.rect(x, by, bw, bh, COLORS["cached"] if lab else COLORS["free"])
+            svg.rect(x, by, bw, bh, CELL_FILL[CPU] if lab else CELL_FILL[EMPTY])
             svg.text(x + bw / 2, by + 14, f"c{b}", 12, "middle", "bold")
             svg.text(x + bw / 2, by + 28, lab or "-", 11, "middle")
         if not f.queue:
@@ -203,16 +159,13 @@ def draw_lru(frames: list[LruFrame]) -> str:
             svg.text(qx + len(f.queue) * (bw + 6), by + 22, "<- tail (MRU)", 10)
         for j, (b, ref, lab) in enumerate(f.in_use):
             x = ux + j * (bw + 6)
-            svg.rect(x, by, bw, bh, COLORS["storing"], *((COLORS["hole"], 3) if b in f.evicted else ()))
+            svg.rect(x, by, bw, bh, CELL_FILL[STORING], *((CELL_FILL[LOST], 3) if b in f.evicted else ()))
             svg.text(x + bw / 2, by + 14, f"c{b}", 12, "middle", "bold")
             svg.text(x + bw / 2, by + 28, f"ref {ref}" + (f" {lab}" if lab else ""), 10, "middle")
         y = by + bh + 22
         svg.line(10, y - 10, 700, y - 10, "#bbbbbb")
-    legend = [("cached", "hashed, in the prefix map"), ("free", "unhashed"), ("storing", "store destination")]
-    for j, (c, what) in enumerate(legend):
-        svg.rect(10 + j * 230, y, 14, 14, COLORS[c])
-        svg.text(30 + j * 230, y + 12, what, 11)
-    svg.rect(700, y, 14, 14, COLORS["storing"], COLORS["hole"], 3)
+    draw_legend(svg, 10, y, [CPU, EMPTY, STORING], 230, LRU_MEANINGS)
+    svg.rect(700, y, 14, 14, CELL_FILL[STORING], CELL_FILL[LOST], 3)
     svg.text(720, y + 12, "red outline: its entry was just evicted", 11)
     return svg.render("CPU free queue in trace T2 (baseline)")
 
@@ -223,37 +176,19 @@ def draw_lru(frames: list[LruFrame]) -> str:
 @dataclass
 class CursorRow:
     caption: str
-    cells: list[str]  # per position: cached, storing, hole, recorded, unscanned
+    cells: tuple[str, ...]  # per position, a kvspec.report.positions state
     cursor: int
     reachable: int
 
 
 def cursor_row(snap: dict[str, Any], caption: str, rid: str = "R") -> CursorRow:
-    r = snap["engine"]["requests"][rid]
-    st = snap["scheduler"]["reqs_to_store"][rid]
-    gh = snap["gpu_pool"]["block_hash"]
-    cached = set(snap["cpu_pool"]["cached"])
-    live = [*snap["scheduler"]["store_events"].values(), *snap["scheduler"]["pending_finished_stores"]]
-    storing = {gh[g] for t in live for g in t["gpu"]}
-    recorded = {(g, p) for _, g, p in snap["scheduler"]["policy_state"].get("lost", [])}
-    cursor = st["num_stored_blocks"][0]
-    cells = []
-    for p, h in enumerate(r["block_hashes"]):
-        key = f"{h}:0"
-        if key in cached:
-            cells.append("cached")
-        elif key in storing:
-            cells.append("storing")
-        elif p >= cursor:
-            cells.append("unscanned")
-        elif (0, p) in recorded:
-            cells.append("recorded")
-        else:
-            cells.append("hole")
+    """The request's group-0 lane (``kvspec.report.positions``) and the CPU prefix it could hit."""
+    lane = SnapshotView(snap).lane(rid, 0)
+    assert lane.cursor is not None  # R keeps live store state throughout T2
     reachable = 0
-    while reachable < len(cells) and cells[reachable] == "cached":
+    while reachable < len(lane.cells) and lane.cells[reachable] == CPU:
         reachable += 1
-    return CursorRow(caption, cells, cursor, reachable)
+    return CursorRow(caption, lane.cells, lane.cursor, reachable)
 
 
 def cursor_rows(policy: str) -> list[CursorRow]:
@@ -279,13 +214,10 @@ def draw_cursor(panels: list[tuple[str, list[CursorRow]]]) -> str:
              "a new identical request could hit", 14, weight="bold")
     svg.text(10, 40, "CPU pool: 4 usable blocks, R has 6 full blocks; each step is followed by its store "
              "completion", 11)
-    legend = [("cached", "cached on CPU"), ("storing", "being stored"), ("hole", "lost below the cursor"),
-              ("recorded", "lost, recorded for repair"), ("unscanned", "at/after the cursor")]
-    for j, (c, what) in enumerate(legend):
-        svg.rect(10 + j * 205, 52, 14, 14, COLORS[c])
-        svg.text(28 + j * 205, 64, what, 11)
-    cw, ch, lx = 40, 24, 400
-    y = 90
+    draw_legend(svg, 10, 52, [CPU, STORING, LOST], 260)
+    draw_legend(svg, 10, 72, [RECORDED, GPU], 260)
+    cw, ch, lx = CURSOR_BOX.pitch, CURSOR_BOX.height, 400
+    y = 110
     for title, rows in panels:
         svg.text(10, y + 14, title, 13, weight="bold")
         y += 22
@@ -294,10 +226,7 @@ def draw_cursor(panels: list[tuple[str, list[CursorRow]]]) -> str:
         y += 16
         for row in rows:
             svg.text(10, y + 16, row.caption, 11)
-            for p, cell in enumerate(row.cells):
-                svg.rect(lx + p * cw, y, cw - 4, ch, COLORS[cell])
-            cx = lx + row.cursor * cw - 2
-            svg.line(cx, y - 3, cx, y + ch + 3, "#000000", 3)
+            draw_lane(svg, lx, y, row.cells, row.cursor, CURSOR_BOX)
             svg.text(lx + len(row.cells) * cw + 10, y + 16,
                      f"cursor {row.cursor}; reachable prefix {row.reachable}", 11)
             y += ch + 8

@@ -25,7 +25,7 @@ import z3
 
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.types import CachedRequestData, NewRequestData, SchedulerOutput
-from kvspec.model import RepairScheduler, SignalRescanScheduler, make_scheduler
+from kvspec.model import RepairPolicy, SignalRescanPolicy, make_scheduler
 from kvspec.model.scheduler import OffloadScheduler, StoreState
 from kvspec.specs.encoding import ARRAYS, Group, Quant, State, Unrolled
 from kvspec.specs.transitions import Step, evict, plan_scan, repair_phase
@@ -254,7 +254,7 @@ def build_model(policy: str, st: Small) -> tuple[OffloadScheduler, dict[int, tup
     cfg = OffloadConfig(block_size=1, num_gpu_blocks=n_pos + 2, num_cpu_blocks=1 + n_cached + st.spare + 1,
                         groups=tuple(KVGroup() for _ in range(G)), policy=policy)
     sched = make_scheduler(cfg)
-    repair = sched if isinstance(sched, RepairScheduler) else None  # set exactly when policy == "repair"
+    repair = sched.policy if isinstance(sched.policy, RepairPolicy) else None  # set exactly when policy == "repair"
     gpu, cpu = sched.gpu_pool, sched.cpu_pool
     length = max((len(ps) for ps in st.groups), default=0)
     hashes = [f"h{i}" for i in range(length)]
@@ -299,8 +299,8 @@ def build_model(policy: str, st: Small) -> tuple[OffloadScheduler, dict[int, tup
             for i, p in enumerate(ps):
                 if p.lost:
                     repair.lost[("R", g, i)] = (hashes[i], g)
-    if isinstance(sched, SignalRescanScheduler):  # exactly when policy == "signal-rescan"
-        sched.eviction_flag = st.flag
+    if isinstance(sched.policy, SignalRescanPolicy):  # exactly when policy == "signal-rescan"
+        sched.policy.eviction_flag = st.flag
     sched.reqs_to_store["R"] = StoreState(req, [list(r) for r in ids], list(st.cursors))
     assert cpu.get_num_free_blocks() == st.free
     return sched, where
@@ -317,9 +317,9 @@ def model_plan(policy: str, st: Small) -> Outcome:
     assert len(selected) == len(meta.store_gpu_blocks), "a position was selected twice"
     lost: set[tuple[int, int]] = set()
     reg: set[tuple[int, int]] = set()
-    if isinstance(sched, RepairScheduler):  # exactly when policy == "repair"
-        lost = {(g, i) for (_, g, i) in sched.lost}
-        reg = {(g, i) for owners in sched.owners.values() for (_, g, i) in owners}
+    if isinstance(sched.policy, RepairPolicy):  # exactly when policy == "repair"
+        lost = {(g, i) for (_, g, i) in sched.policy.lost}
+        reg = {(g, i) for owners in sched.policy.owners.values() for (_, g, i) in owners}
     return Outcome(list(state.num_stored_blocks), selected, lost, reg)
 
 
@@ -334,10 +334,10 @@ class Evicted:
 
 
 def model_evict(policy: str, st: Small, n: int) -> Evicted:
-    """Allocate ``n`` CPU blocks through the scheduler's allocation path (``_cpu_alloc``) on
+    """Allocate ``n`` CPU blocks through the scheduler's allocation path (``allocate_cpu``) on
     ``st``: the free queue is spare blocks first, then the cached copies in position order."""
     sched, _ = build_model(policy, st)
-    sched._cpu_alloc(n)
+    sched.allocate_cpu(n)
     cells = [(g, i) for g, ps in enumerate(st.groups) for i, p in enumerate(ps) if p.hashed]
     length = max((len(ps) for ps in st.groups), default=0)
     hashes = [f"h{i}" for i in range(length)]
@@ -346,8 +346,8 @@ def model_evict(policy: str, st: Small, n: int) -> Evicted:
         return (hashes[i], g) if st.groups[g][i].owned else (f"x{g}.{i}", g)
 
     cached = {(g, i) for g, i in cells if sched.cpu_pool.get_one_block(key(g, i)) is not None}
-    lost = {(g, i) for (_, g, i) in getattr(sched, "lost", {})}
-    return Evicted(cached, lost, bool(getattr(sched, "eviction_flag", False)))
+    lost = {(g, i) for (_, g, i) in getattr(sched.policy, "lost", {})}
+    return Evicted(cached, lost, bool(getattr(sched.policy, "eviction_flag", False)))
 
 
 def evict_agrees(policy: str, st: Small, got: Evicted) -> tuple[bool, bool]:
@@ -410,7 +410,7 @@ def model_bookkeeping(policy: str, st: Small, what: str, extra: int = 0) -> Book
     else:
         raise ValueError(what)
     now = sched.reqs_to_store.get("R")
-    lost = {(g, i) for (_, g, i) in getattr(sched, "lost", {})}
+    lost = {(g, i) for (_, g, i) in getattr(sched.policy, "lost", {})}
     infl = {where[b] for b in sched.in_flight_store_gpu_blocks if b in where}
     if now is None or now.finished:
         return Book(None, None, lost, infl, False)

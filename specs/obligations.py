@@ -13,6 +13,12 @@ Kinds:
 * ``vacuity`` — a deliberately broken invariant that must be refuted, or a behaviour the
   proofs rely on being possible (out of space, a skipped group, a lost record) that must
   be satisfiable.
+* ``existence`` — every transition has a successor from every invariant state meeting its
+  preconditions, for every input: for every N on ``Quant`` (a pointwise lemma for the
+  environment steps, an induction-step lemma for the scan), for N <= 8 on ``Unrolled``.
+* ``witness`` — a run from registration reaches a branch the proofs rely on (a re-store, a
+  consumed record, the flag set and consumed, a pin that stops the scan, a completion that
+  registers): ``reached``.
 
 Every solver gets a fixed ``random_seed`` and an ``rlimit``; a check that exhausts the
 rlimit reports ``unknown`` (a failure), never a silent pass.
@@ -22,8 +28,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import z3
@@ -31,6 +37,7 @@ import z3
 from kvspec.specs.encoding import Encoding, Quant, State, Unrolled, reset_names
 from kvspec.specs.transitions import (
     CURSOR_RESETS,
+    TRANSITIONS,
     Step,
     bounds,
     c1,
@@ -48,7 +55,8 @@ TIMEOUT_MS = 60_000
 BOUND = 8  # bounded cross-check: every N <= BOUND
 BOUND_G2 = 2  # two groups: every pair of lengths <= BOUND_G2
 
-PASS = {"proof": "holds", "bounded": "holds", "counterexample": "found", "vacuity": "ok"}
+PASS = {"proof": "holds", "bounded": "holds", "counterexample": "found", "vacuity": "ok", "existence": "holds",
+        "witness": "reached"}
 
 
 def solver(seed: int = SEED) -> z3.Solver:
@@ -392,6 +400,350 @@ def refuted(enc: Encoding, policy: str,
     return "vacuous", "the broken invariant was not refuted", {}
 
 
+# -- existence: every transition has a successor --------------------------------------------
+
+
+def _constants(exprs: Iterable[z3.ExprRef]) -> dict[int, z3.ExprRef]:
+    """The uninterpreted constants occurring in ``exprs``, by AST id. O(size of the DAG)."""
+    seen: set[int] = set()
+    out: dict[int, z3.ExprRef] = {}
+    stack = list(exprs)
+    while stack:
+        e = stack.pop()
+        if e.get_id() in seen:
+            continue
+        seen.add(e.get_id())
+        if z3.is_const(e) and e.decl().kind() == z3.Z3_OP_UNINTERPRETED:
+            out[e.get_id()] = e
+        else:
+            stack.extend(e.children())
+    return out
+
+
+def _state_terms(s: State) -> list[z3.ExprRef]:
+    out: list[z3.ExprRef] = [s.conf, s.flag, s.active]
+    for grp in s.groups:
+        out += [grp.n, grp.cur]
+        for a in grp.arr.values():
+            out += list(a) if isinstance(a, list) else [a]
+    return out
+
+
+def preconditions(name: str, s: State, st: Step) -> list[z3.BoolRef]:
+    """What a transition assumes of its pre-state and inputs, the only constraints an existence
+    check may assume: the scan's free count is a count; ``resume`` follows a preemption (every
+    cursor 0). Every other constraint must be met by the transition's own choices."""
+    out = [st.inputs["free"] >= 0] if "free" in st.inputs else []
+    if name == "resume":
+        out += [grp.cur == 0 for grp in s.groups]
+    return out
+
+
+def choices(s: State, st: Step) -> list[z3.ExprRef]:
+    """The constants a step introduces that are not inputs: what the transition chooses."""
+    given = _constants(_state_terms(s)) | _constants(st.inputs.values())
+    return [e for i, e in _constants([*st.constraints, *_state_terms(st.post)]).items() if i not in given]
+
+
+def _check_qe(constraints: list[z3.BoolRef]) -> z3.CheckSatResult:
+    """Satisfiability after quantifier elimination (Booleans and linear integers), fixed seed."""
+    sv = z3.Then("qe", "smt").solver()
+    sv.set("random_seed", SEED)
+    sv.set("rlimit", RLIMIT)
+    sv.add(*constraints)
+    return sv.check()
+
+
+def successor_exists(enc: Unrolled, policy: str) -> tuple[str, str, dict[str, Any]]:
+    """Every transition has a successor from every invariant state (wf, cursor bounds) meeting
+    its preconditions, for every input: ``Inv(s) and pre and ForAll(choices, Not(constraints))``
+    is unsat (quantifier elimination over the Boolean and integer choices)."""
+    out = []
+    for name, fn in transitions_for(policy):
+        s, st = _step(enc, policy, fn)
+        none = z3.Not(z3.And(st.constraints)) if st.constraints else z3.BoolVal(False)
+        chosen = choices(s, st)
+        r = _check_qe([inv_for("bounds", enc, s), *preconditions(name, s, st),
+                       z3.ForAll(chosen, none) if chosen else none])
+        out.append((name, *_holds_if_unsat(r, "a state without a successor")))
+    return _all_steps(out)
+
+
+def _holds_if_unsat(r: z3.CheckSatResult, what: str) -> tuple[str, str]:
+    if r == z3.unsat:
+        return "holds", ""
+    return ("fails", what) if r == z3.sat else ("unknown", "rlimit")
+
+
+def _is_bool_array(e: z3.ExprRef) -> bool:
+    return bool(z3.is_array(e) and e.sort() == z3.ArraySort(z3.IntSort(), z3.BoolSort()))
+
+
+def _instance(c: z3.BoolRef, q: z3.ArithRef) -> z3.BoolRef | None:
+    """``c`` as a statement about position ``q``: ``ForAll p. phi`` -> ``phi[q]``, ``g => ForAll p.
+    phi`` -> ``g => phi[q]`` (``g`` without p); None for any other shape."""
+    if z3.is_quantifier(c) and c.is_forall() and c.num_vars() == 1:
+        return z3.substitute_vars(c.body(), q)
+    if z3.is_implies(c) and z3.is_quantifier(c.arg(1)):
+        inner = _instance(c.arg(1), q)
+        return None if inner is None else z3.Implies(c.arg(0), inner)
+    return None
+
+
+def pointwise_exists(policy: str, name: str) -> tuple[str, str]:
+    """For every N (Quant, one group), when the transition's constraints read each chosen array
+    ``A`` only as ``ForAll p. phi(p, A[p])``: arrays exist iff values exist at every position
+    (``Exists A. ForAll p. phi(p, A[p])`` iff ``ForAll p. Exists b. phi(p, b)``). So the check is
+    ``Inv and pre and ForAll(scalar choices, Exists q. every Boolean value at q violates phi)``
+    unsat, the Boolean values expanded. ``unknown`` for a transition of another shape."""
+    enc = Quant(1)
+    s, st = _step(enc, policy, TRANSITIONS[name][0])
+    chosen = choices(s, st)
+    arrays = [e for e in chosen if _is_bool_array(e)]
+    scalars = [e for e in chosen if not _is_bool_array(e)]
+    q = z3.Int("exists_q")
+    ids = {a.get_id() for a in arrays}
+    parts = [c if not ids & set(_constants([c])) else _instance(c, q) for c in st.constraints]
+    if any(p is None for p in parts):
+        return "unknown", "a constraint on an array is not a ForAll over positions"
+    bits = [z3.Bool(f"exists_b{i}") for i in range(len(arrays))]
+    phi = z3.substitute(z3.And([p for p in parts if p is not None] or [z3.BoolVal(True)]),
+                        *[(z3.Select(a, q), b) for a, b in zip(arrays, bits, strict=True)])
+    if ids & set(_constants([phi])):
+        return "unknown", "an array is read at another position"
+    violated = z3.And([z3.Not(z3.substitute(phi, *zip(bits, map(z3.BoolVal, vals), strict=True)))
+                       for vals in itertools.product((False, True), repeat=len(bits))])
+    none = z3.ForAll(scalars, z3.Exists([q], violated)) if scalars else violated
+    r, _ = _check([inv_for("bounds", enc, s), *preconditions(name, s, st), none])
+    return _holds_if_unsat(r, "a position without a value")
+
+
+@dataclass
+class ScanInstance:
+    """The quantified scan of one group on a state, its running counts replaced by arrays."""
+
+    constraints: list[z3.BoolRef]
+    counts: list[z3.ArrayRef]  # in the order Quant.scan makes them: Phase 1a (signal-rescan), Phase 1b
+    cur: z3.ArithRef  # the new cursor (a fresh constant)
+
+
+def scan_instance(policy: str, s: State, free: z3.ArithRef, scheduled: z3.BoolRef) -> ScanInstance:
+    """``Quant(1).scan`` on ``s`` with each running count ``c`` (an uninterpreted function) replaced
+    by a fresh array, so that a count can be given as a term. O(size of the scan)."""
+    sc = Quant(1).scan(policy, s, free, scheduled, s.flag)
+    funs: dict[str, z3.FuncDeclRef] = {}
+    stack: list[z3.ExprRef] = list(sc.constraints)
+    while stack:
+        e = stack.pop()
+        if z3.is_quantifier(e):
+            stack.append(e.body())
+            continue
+        if z3.is_app(e) and e.decl().arity() == 1 and e.decl().kind() == z3.Z3_OP_UNINTERPRETED:
+            funs[e.decl().name()] = e.decl()
+        stack.extend(e.children())
+    order = sorted(funs.values(), key=lambda f: int(f.name().rpartition("!")[2]))
+    arrays = [z3.Array(f"{f.name()}[]", z3.IntSort(), z3.IntSort()) for f in order]
+    pairs = [(f, z3.Select(a, z3.Var(0, z3.IntSort()))) for f, a in zip(order, arrays, strict=True)]
+    cons = [z3.substitute_funs(c, *pairs) if pairs else c for c in sc.constraints]
+    return ScanInstance(cons, arrays, sc.cur[0])
+
+
+def _with(s: State, cur: z3.ArithRef, conf: z3.ArithRef) -> State:
+    """``s`` with another cursor and confirmed count (same positions, length, flag)."""
+    return State([replace(s.groups[0], cur=cur)], conf, s.flag, s.active)
+
+
+@dataclass
+class ScanStep:
+    """One induction step of the scan-existence lemma: from a solved scan on ``smaller`` (its
+    instance ``given``), candidate counts and cursor for the scan on ``target``."""
+
+    target: State
+    smaller: State | None
+    given: ScanInstance | None
+    counts: list[z3.ArrayRef]
+    cur: z3.ArithRef
+    premise: list[z3.BoolRef]
+
+
+def _scan_inputs() -> tuple[z3.ArithRef, z3.BoolRef]:
+    return z3.Int("exists_free"), z3.Bool("exists_scheduled")
+
+
+def _scan_step(policy: str, kind: str) -> ScanStep:
+    """The candidates of the lemma's three steps, for a target state ``t`` (one group):
+
+    * ``base``: ``ready = cursor`` (baseline, repair) or ``ready = cursor = 0``: counts constant
+      0, cursor kept;
+    * ``extend``: ``ready > cursor``, from ``t`` with one confirmed block less: the Phase 1b count
+      gets one more entry, the cursor stops where it stopped, else at the new last position
+      when that is a stop point, else after it;
+    * ``rescan`` (signal-rescan): ``ready = cursor >= 1``, from ``t`` with cursor and ready one less:
+      the Phase 1a count gets one more entry."""
+    enc, free, scheduled = Quant(1), *_scan_inputs()
+    t = enc.state("t")
+    cur, ready = t.groups[0].cur, enc.ready(t, 0)
+    if kind == "base":
+        zero = z3.K(z3.IntSort(), z3.IntVal(0))
+        premise = [ready == cur] if policy != "signal-rescan" else [ready == 0, cur == 0]
+        n_counts = 2 if policy == "signal-rescan" else 1
+        return ScanStep(t, None, None, [zero] * n_counts, cur, premise)
+    if kind == "extend":
+        s = _with(t, cur, ready - 1)
+        given = scan_instance(policy, s, free, scheduled)
+        hi, ph1b = ready - 1, given.counts[-1]
+        rdy = z3.Or(enc.ready_to_store(policy, t, 0, hi), enc.pins(policy, t, 0, hi))
+        scanned = scheduled if policy == "repair" else z3.And(scheduled, 0 < free)
+        stop = z3.And(rdy, ph1b[hi] >= free)
+        new_cur = z3.If(scanned, z3.If(given.cur < hi, given.cur, z3.If(stop, hi, ready)), cur)
+        counts = [*given.counts[:-1], z3.Store(ph1b, ready, ph1b[hi] + z3.If(rdy, 1, 0))]
+        return ScanStep(t, s, given, counts, new_cur, [ready > cur])
+    s = _with(t, cur - 1, ready - 1)
+    given = scan_instance(policy, s, free, scheduled)
+    ph1a, k = given.counts[0], cur - 1
+    grown = z3.Store(ph1a, cur, ph1a[k] + z3.If(z3.And(enc.ready_to_store(policy, t, 0, k), ph1a[k] < free), 1, 0))
+    do_a = z3.And(scheduled, 0 < free, t.flag)
+    return ScanStep(t, s, given, [grown, z3.K(z3.IntSort(), z3.If(do_a, grown[cur], 0))], cur,
+                    [ready == cur, cur >= 1])
+
+
+SCAN_LEMMA_STEPS = {"baseline": ("base", "extend"), "repair": ("base", "extend"),
+                    "signal-rescan": ("base", "rescan", "extend")}
+
+
+def scan_exists(policy: str) -> tuple[str, str, dict[str, Any]]:
+    """For every N: the relational scan (Quant, one group) has a successor from every state with
+    ``0 <= cursor <= ready`` and a free count >= 0. Z3 does no induction, so the lemma is its
+    steps, each valid for every N: the candidate counts and cursor of ``_scan_step`` satisfy the
+    scan's constraints, given (for ``extend`` and ``rescan``) a solution on the smaller state.
+    Induction on ``ready - cursor`` from ``base`` (signal-rescan: first on ``cursor`` with
+    ``ready = cursor``, by ``rescan``) concludes."""
+    out = []
+    for kind in SCAN_LEMMA_STEPS[policy]:
+        reset_names()
+        step = _scan_step(policy, kind)
+        free, scheduled = _scan_inputs()
+        goal = scan_instance(policy, step.target, free, scheduled)
+        pairs = [(a, b) for a, b in zip(goal.counts, step.counts, strict=True)] + [(goal.cur, step.cur)]
+        claim, points = _skolemized([z3.substitute(c, *pairs) for c in goal.constraints])
+        premise = [inv_for("bounds", Quant(1), step.target), free >= 0, *step.premise]
+        if step.given is not None:
+            premise += [*step.given.constraints, *_instances(step.given.constraints, points)]
+        out.append((kind, *_valid(premise, claim, hint(Quant(1), step.target) if kind == "extend" else None)))
+    return _all_steps(out)
+
+
+def _skolemized(goal: list[z3.BoolRef]) -> tuple[z3.BoolRef, list[z3.ArithRef]]:
+    """``goal`` with each top-level ``ForAll p. phi`` replaced by ``phi`` at a fresh position (valid
+    iff the original is), and the positions around those where a hypothesis may be needed."""
+    parts: list[z3.BoolRef] = []
+    points: list[z3.ArithRef] = []
+    for i, c in enumerate(goal):
+        if z3.is_quantifier(c) and c.is_forall() and c.num_vars() == 1:
+            sk = z3.Int(f"skolem_p{i}")
+            parts.append(z3.substitute_vars(c.body(), sk))
+            points += [sk - 1, sk, sk + 1]
+        else:
+            parts.append(c)
+    return z3.And(parts), points
+
+
+def _instances(hypotheses: list[z3.BoolRef], points: list[z3.ArithRef]) -> list[z3.BoolRef]:
+    """Ground instances of the ``ForAll p`` hypotheses at ``points`` (implied by them: they only
+    spare the solver the search for the instantiations)."""
+    return [z3.substitute_vars(h.body(), q) for h in hypotheses
+            if z3.is_quantifier(h) and h.is_forall() and h.num_vars() == 1 for q in points]
+
+
+def existence_every_n(policy: str) -> tuple[str, str, dict[str, Any]]:
+    """Every transition has a successor for every N (Quant, one group): the pointwise lemma for
+    the environment and bookkeeping transitions, the scan lemma for the plan."""
+    out = [(name, *pointwise_exists(policy, name)) for name, _ in transitions_for(policy) if name != "plan"]
+    r, d, _ = scan_exists(policy)
+    return _all_steps([*out, ("plan", r, d)])
+
+
+# -- cover: a witness run for each branch the proofs rely on -----------------------------------
+
+
+WITNESS_M = 4  # positions of the witness runs (Unrolled: quantifier-free, and a run is existential)
+Condition = Callable[[Unrolled, list[State], list[Step]], list[z3.BoolRef]]
+
+
+def _some(enc: Unrolled, body: Callable[[int], z3.BoolRef]) -> z3.BoolRef:
+    return z3.Or([body(i) for i in range(enc.M)])
+
+
+def reach(policy: str, names: tuple[str, ...], cond: Condition) -> tuple[str, str, dict[str, Any]]:
+    """A run from registration (``init``) through the transitions ``names`` in order that meets
+    ``cond`` exists: ``reached``; else ``unreached`` (the branch is dead, and every proof that
+    covers it covers nothing there)."""
+    enc = Unrolled(1, WITNESS_M)
+    states = [enc.state("w")]
+    steps: list[Step] = []
+    cons = [init(enc, policy, states[0])]
+    for name in names:
+        fn, pols = TRANSITIONS[name]
+        assert policy in pols, f"{name} is not a {policy} transition"
+        steps.append(fn(enc, policy, states[-1]))
+        cons += steps[-1].constraints
+        states.append(steps[-1].post)
+    r, _ = _sat([*cons, *cond(enc, states, steps)])
+    result = {"sat": "reached", "unsat": "unreached"}.get(r, "unknown")
+    return result, " ; ".join(names), {}
+
+
+def _restored(enc: Unrolled, states: list[State], steps: list[Step]) -> list[z3.BoolRef]:
+    """The repair phase (step 5) re-stores a position."""
+    return [_some(enc, steps[4].restored[0])]
+
+
+def _record_consumed(enc: Unrolled, states: list[State], steps: list[Step]) -> list[z3.BoolRef]:
+    """A record made by the eviction (step 4) is re-stored (step 5), and its copy lands (step 6)."""
+    return [_some(enc, lambda p: z3.And(enc.v(states[4], 0, "lost", p), steps[4].restored[0](p),
+                                        z3.Not(enc.v(states[6], 0, "lost", p)),
+                                        enc.v(states[6], 0, "cached", p)))]
+
+
+def _flag_cycle(enc: Unrolled, states: list[State], steps: list[Step]) -> list[z3.BoolRef]:
+    """The eviction (step 4) sets the flag; the next plan (step 5) consumes it and re-stores a hole."""
+    scan = steps[4].scan
+    assert scan is not None
+    return [z3.Not(states[3].flag), states[4].flag, z3.Not(states[5].flag), _some(enc, scan.rescan[0])]
+
+
+def _pin_stop(enc: Unrolled, states: list[State], steps: list[Step]) -> list[z3.BoolRef]:
+    """The plan (step 4) stops at a position that is not READY but whose pin would starve."""
+    s, post = states[3], states[4]
+    return [steps[3].inputs["scheduled"],
+            _some(enc, lambda p: z3.And(post.groups[0].cur == p, p < enc.ready(s, 0), enc.pins("repair", s, 0, p),
+                                        z3.Not(enc.ready_to_store("repair", s, 0, p))))]
+
+
+def _registered_copy(enc: Unrolled, states: list[State], steps: list[Step]) -> list[z3.BoolRef]:
+    """A position the plan (step 2) selected is cached after the completion (step 3)."""
+    scan = steps[1].scan
+    assert scan is not None
+    return [_some(enc, lambda p: z3.And(scan.sel[0](p), z3.Not(enc.v(states[2], 0, "cached", p)),
+                                        enc.v(states[3], 0, "cached", p)))]
+
+
+STORED = ("schedule", "plan", "complete")  # confirmed positions stored and landed
+WITNESSES: tuple[tuple[str, str, tuple[str, ...], Condition, str], ...] = (
+    # name, policy, run from registration, condition, statement
+    ("re-store", "repair", (*STORED, "evict", "repair-phase"), _restored,
+     "an evicted position is re-stored by the repair phase"),
+    ("record-consumed", "repair", (*STORED, "evict", "repair-phase", "complete"), _record_consumed,
+     "a lost record is consumed: its key re-stored and registered again"),
+    ("flag-set-and-consumed", "signal-rescan", (*STORED, "evict", "plan"), _flag_cycle,
+     "an eviction sets the flag; the next plan consumes it and re-stores the hole"),
+    ("pin-stops-scan", "repair", ("schedule", "env-store", "complete", "plan"), _pin_stop,
+     "the scan stops at an already-cached position whose pin would starve the selection"),
+    *((("completion-registers", pol, STORED, _registered_copy, "a completed store registers its key"))
+      for pol in ("baseline", "signal-rescan", "repair")),
+)
+
+
 # -- the catalogue -----------------------------------------------------------------------------
 
 
@@ -524,6 +876,24 @@ def catalogue(quick: bool = False) -> list[Obligation]:
                                                           use_hint=True)))
     obs.append(Obligation("vacuity:lost-record", "repair", "vacuity",
                           lambda: witness(Quant(1), "repair", evict, _lost_record, prop="c2")))
+    return obs + existence_and_cover(groups)
+
+
+def existence_and_cover(groups: tuple[int, ...]) -> list[Obligation]:
+    """Existence (every transition has a successor: every N on Quant, N <= BOUND on Unrolled
+    per group count) and a witness run for each branch."""
+    obs: list[Obligation] = []
+    for pol in ("baseline", "signal-rescan", "repair"):
+        obs.append(Obligation("existence", pol, "existence", lambda pol=pol: existence_every_n(pol),
+                              "every transition has a successor from every invariant state, every N"))
+        for G in groups:
+            tag = "" if G == 1 else f",G={G}"
+            obs.append(Obligation(f"existence[N<={BOUND}{tag}]", pol, "existence",
+                                  lambda pol=pol, G=G: successor_exists(Unrolled(G, BOUND), pol),
+                                  "every transition has a successor from every invariant state"))
+    for name, pol, names, cond, statement in WITNESSES:
+        obs.append(Obligation(f"witness:{name}", pol, "witness",
+                              lambda pol=pol, names=names, cond=cond: reach(pol, names, cond), statement))
     return obs
 
 

@@ -177,14 +177,16 @@ def sliding_free(enc: Encoding, policy: str, s: State) -> Step:
     ids go stale: the block may be re-hashed for someone else)."""
     post = _keep(s)
     cons: list[z3.BoolRef] = []
+    edges: dict[str, Any] = {}
     for g in range(enc.G):
         edge, hsh = z3.Int(_fresh("edge")), _havoc(enc, f"hash{g}")
+        edges[f"edge{g}"] = edge
         cons.append(enc.forall(lambda p, g=g, edge=edge, hsh=hsh: z3.Implies(
             p >= edge, enc.at(hsh, p) == enc.v(s, g, "hashed", p))))
         post = post.with_group(
             g, hashed=hsh,
             owned=enc.table(lambda p, g=g, edge=edge: z3.And(enc.v(s, g, "owned", p), p >= edge)))
-    return Step(post, cons)
+    return Step(post, cons, inputs=edges)
 
 
 def preempt(enc: Encoding, policy: str, s: State) -> Step:

@@ -260,13 +260,13 @@ def test_finding_files_are_never_overwritten(tmp_path: Path, capsys: pytest.Capt
     code, out, _ = run_cli([*argv, "--seed", "1"], capsys)
     first = json.loads(out)
     assert code == 1 and first["kind"] == VIOLATION
-    names = sorted(p.name for p in tmp_path.iterdir())
+    names = sorted(p.name for p in tmp_path.glob("*.jsonl"))  # each beside its finding page (.html)
     assert len(names) == 2 and any("unshrunk" in n for n in names)
     assert all(n.startswith("bug-stale-cursor-repair-claims-") for n in names)
     code, out, _ = run_cli([*argv, "--seed", "1"], capsys)  # the same finding: the same files, untouched
-    assert sorted(p.name for p in tmp_path.iterdir()) == names
+    assert sorted(p.name for p in tmp_path.glob("*.jsonl")) == names
     code, out, _ = run_cli([*argv, "--seed", "2", "--oracle", "C2"], capsys)
-    assert code == 1 and len(list(tmp_path.iterdir())) == 4 and "C2" in json.loads(out)["trace"]
+    assert code == 1 and len(list(tmp_path.glob("*.jsonl"))) == 4 and "C2" in json.loads(out)["trace"]
     # a different file that happens to carry the name is kept; the new one gets a suffix
     tr = Trace(OffloadConfig(), [], "model")
     (tmp_path / "same.jsonl").write_text("something else\n")
@@ -285,7 +285,7 @@ def test_the_unshrunk_finding_is_on_disk_before_shrinking(tmp_path: Path, monkey
                            capsys)
     assert code == 130
     assert "interrupted" in out and "FOUND violation" in out and "operations in" in out
-    files = sorted(p.name for p in tmp_path.iterdir())
+    files = sorted(p.name for p in tmp_path.glob("*.jsonl"))
     assert len(files) == 2  # the unshrunk trace, and the smallest one reached (here: the same ops)
 
 

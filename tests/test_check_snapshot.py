@@ -1,4 +1,5 @@
-"""``kvspec check-snapshot`` and the snapshot format (schema + kvspec.contract.snapshot_io)."""
+"""``kvspec check-snapshot`` and the snapshot format (schema + kvspec.contract.snapshot_io, whose schema
+pass is kvspec.contract.schema_check)."""
 
 from __future__ import annotations
 
@@ -12,21 +13,15 @@ from typing import Any
 import pytest
 from scenario_kit import T1_CONFIG, T1_OPS
 
+from kvspec.adapters.claims import resolve
 from kvspec.cli import main
 from kvspec.contract.config import POLICIES, KVGroup, OffloadConfig
 from kvspec.contract.errors import SnapshotFormatError
-from kvspec.contract.snapshot_io import (
-    SUPPORTED_KEYWORDS,
-    _unsupported_keywords,
-    load_schema,
-    load_snapshot,
-    snapshot_issues,
-    validate_snapshot,
-)
+from kvspec.contract.schema_check import SUPPORTED_KEYWORDS, unsupported_keywords
+from kvspec.contract.snapshot_io import load_schema, load_snapshot, snapshot_issues, validate_snapshot
 from kvspec.drivers.engine import Engine
 from kvspec.model import make_scheduler
 from kvspec.oracle.catalogue import CATALOGUE
-from kvspec.oracle.claims import resolve
 
 T2_OPS: list[dict[str, Any]] = [  # docs §8 T2: R's first two blocks are evicted by its own later stores
     {"op": "add", "rid": "R", "family": 1, "prompt_len": 97, "max_tokens": 8},
@@ -58,8 +53,8 @@ def write(tmp_path: Path, snap: object, name: str = "snap.json") -> str:
 
 
 def test_schema_uses_only_keywords_the_validator_implements() -> None:
-    assert not list(_unsupported_keywords(load_schema()))
-    assert list(_unsupported_keywords({"type": "object", "uniqueItems": True})) == ["uniqueItems"]
+    assert not list(unsupported_keywords(load_schema()))
+    assert list(unsupported_keywords({"type": "object", "uniqueItems": True})) == ["uniqueItems"]
     assert "uniqueItems" not in SUPPORTED_KEYWORDS
 
 
@@ -419,21 +414,19 @@ def test_every_snapshot_of_random_runs_follows_the_schema(policy: str, extra: di
     """Pins, loads, preemptions, resets, abandoned transfers: whatever the engine model reaches,
     its snapshot (and the target's own) is accepted, so the format covers all of the model."""
     import random
+    from dataclasses import replace
 
-    from kvspec.contract.errors import KVSpecError
-    from kvspec.drivers.opgen import next_op, random_config_kwargs
+    from kvspec.drivers.harness import Run
+    from kvspec.drivers.opgen import OpGenerator, RandomChoices, random_config
 
     sections: set[str] = set()
     for seed in range(4):
-        rng = random.Random(seed)
-        cfg = OffloadConfig(policy=policy, **{**random_config_kwargs(rng), **extra})
-        eng = Engine(make_scheduler(cfg))
+        choices = RandomChoices(random.Random(seed))
+        cfg = replace(random_config(choices, policy), **extra)
+        run, gen = Run(cfg, make_scheduler, ()), OpGenerator(cfg, choices)
         for _ in range(80):
-            try:
-                eng.apply(next_op(eng, rng))
-            except KVSpecError:
-                continue
-            snap = json.loads(json.dumps(eng.snapshot()))
+            assert run.apply(gen.next_op(run.engine)) is None  # generated, so accepted and judged
+            snap = json.loads(json.dumps(run.snapshot))
             issues = snapshot_issues(snap)
             assert issues == [], (seed, issues[:3])
             sched = snap["scheduler"]

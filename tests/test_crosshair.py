@@ -2,20 +2,23 @@
 
 Checked (PEP 316 ``pre:``/``post:`` docstrings):
 
-* ``kvspec.model.rules`` — cursor arithmetic (``ready_blocks``), block classification
-  (``classify_store_candidate``) and one group's positional scan (``scan_group``), the
-  functions the baseline scheduler calls;
+* ``kvspec.model.rules`` — the rules every policy calls and none restates: cursor arithmetic
+  (``ready_blocks``, ``window_floor``), block classification (``classify_store_candidate``),
+  the baseline's scan of one group (``scan_group``), PR #47235's rescan end and its two phases
+  (``rescan_end``, ``rescan_group``) and the repair scan's decision at one position
+  (``repair_step``);
 * ``kvspec.specs.contracts`` — the free queue (pop from the head, fresh-to-head and
   cached-to-tail on free, remove, walk after a cursor) and hit search (full attention,
   sliding window), through thin wrappers that build the model's own objects.
 
 What lies outside CrossHair's reach here: CrossHair explores execution paths with an SMT
-solver within a time budget per condition, so for the loops (scan, queue operations,
-hit search) "no counterexample" means none on the paths it reached, not a proof;
-``ready_blocks`` and ``classify_store_candidate`` are loop-free and CrossHair reports
-them confirmed over all paths. Stateful code (the schedulers, pools, prefix map, the
-multi-group hit-search fixpoint) is not checked by CrossHair at all: that is what the Z3
-obligations (``kvspec prove``) and the stateful tests are for.
+solver within a time budget per condition, so for the loops (the scans, queue operations,
+hit search) "no counterexample" means none on the paths it reached, not a proof; the
+loop-free rules (``ready_blocks``, ``window_floor``, ``classify_store_candidate``,
+``rescan_end``, ``repair_step``) are confirmed over all paths. Stateful code (the
+scheduler, the policies, pools, prefix map, the multi-group hit-search fixpoint) is not
+checked by CrossHair at all: that is what the Z3 obligations (``kvspec prove``) and the
+stateful tests are for; the last tests here check that the policies do call these rules.
 """
 
 from __future__ import annotations
@@ -27,14 +30,18 @@ from pathlib import Path
 
 import pytest
 
-import kvspec.model.scheduler as scheduler_module
+import kvspec.model.baseline as baseline_module
+import kvspec.model.repair as repair_module
+import kvspec.model.signal_rescan as signal_rescan_module
 from kvspec.contract.config import OffloadConfig
 from kvspec.contract.types import CachedRequestData, SchedulerOutput
 from kvspec.model import make_scheduler
-from kvspec.model.scheduler import StoreState
+from kvspec.model.scheduler import OffloadScheduler, StoreState
 
 CROSSHAIR = [sys.executable, "-m", "crosshair", "check", "--analysis_kind=PEP316"]
-PER_CONDITION = "1.5"  # seconds per postcondition; 25 conditions
+PER_CONDITION = "1.5"  # seconds per postcondition; 41 conditions
+CONDITIONS = 41  # postconditions: 31 in kvspec.model.rules, 10 in kvspec.specs.contracts
+LOOP_FREE_CONDITIONS = 19  # those of ready_blocks (3), window_floor (3), classify (5), rescan_end (3), repair_step (5)
 
 
 def _run(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -47,22 +54,36 @@ def test_no_counterexample_to_any_contract() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     assert not [ln for ln in lines if "error" in ln], proc.stdout
-    # every postcondition was analysed (25 of them), and the loop-free rules were confirmed on all paths
-    assert len(lines) == 25, proc.stdout
+    # every postcondition was analysed, and the loop-free rules were confirmed on all paths
+    assert len(lines) == CONDITIONS, proc.stdout
     confirmed = {ln.split(":")[1] for ln in lines if "rules.py" in ln and "Confirmed over all paths" in ln}
-    assert len(confirmed) >= 11, proc.stdout
+    assert len(confirmed) >= LOOP_FREE_CONDITIONS, proc.stdout
 
 
 BROKEN = '''
 from kvspec.model.free_queue import FreeBlockQueue
-from kvspec.model.rules import classify_store_candidate, scan_group
+from kvspec.model.rules import classify_store_candidate, repair_step, rescan_group, scan_group
 
 
 def scan_passes_everything(ready_flags: list[bool], n_selected: int, free: int) -> int:
     """pre: n_selected >= 0
     post: __return__ == len(ready_flags)
     """
-    return scan_group(ready_flags, n_selected, free)[1]
+    return scan_group(ready_flags, n_selected, free).advance
+
+
+def phase_1a_never_stops_phase_1b(stored: list[bool], new: list[bool], taken: int, free: int) -> int:
+    """pre: taken >= 0
+    post: __return__ == len(new) or any(new)
+    """
+    return rescan_group(stored, new, taken, free, True).advance
+
+
+def a_cached_position_never_stops(duplicate: bool, entry_free: bool, taken: int, free: int) -> str:
+    """pre: taken >= 0
+    post: __return__ != "stop"
+    """
+    return repair_step("already_cached", duplicate, entry_free, taken, free)
 
 
 def in_flight_wins(is_null: bool, hashed: bool, in_flight: bool, cached: bool) -> str:
@@ -81,36 +102,67 @@ def pop_takes_newest(ids: list[int], n: int) -> list[int]:
 
 
 def test_crosshair_refutes_false_contracts(tmp_path: Path) -> None:
-    """The check can fail: three false claims about the same functions are refuted."""
+    """The check can fail: five false claims about the same functions are refuted."""
     (tmp_path / "broken_contracts.py").write_text(textwrap.dedent(BROKEN))
     proc = _run(["broken_contracts.py"], cwd=tmp_path)
     assert proc.returncode != 0
-    for name in ("scan_passes_everything", "in_flight_wins", "pop_takes_newest"):
+    for name in ("scan_passes_everything", "phase_1a_never_stops_phase_1b", "a_cached_position_never_stops",
+                 "in_flight_wins", "pop_takes_newest"):
         assert f"when calling {name}(" in proc.stdout, proc.stdout
 
 
-def test_the_baseline_scan_uses_the_checked_rules(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No dead code: the contracts are about what the baseline scheduler actually runs."""
-    calls: list[tuple[list[bool], int, int]] = []
-    real = scheduler_module.scan_group
+class _Req:
+    """Request R: two hashed blocks, both computed, three tokens."""
 
-    def spy(flags: list[bool], n: int, free: int) -> tuple[list[int], int]:
-        calls.append((list(flags), n, free))
-        return real(flags, n, free)
+    request_id, block_hashes, num_computed_tokens = "R", ["a", "b"], 2
+    num_output_placeholders, skip_reading_prefix_cache, num_tokens = 0, False, 3
 
-    monkeypatch.setattr(scheduler_module, "scan_group", spy)
-    sched = make_scheduler(OffloadConfig(block_size=1, num_gpu_blocks=4, num_cpu_blocks=3, policy="baseline"))
 
-    class Req:
-        request_id, block_hashes, num_computed_tokens = "R", ["a", "b"], 2
-        num_output_placeholders, skip_reading_prefix_cache, num_tokens = 0, False, 3
-
+def _plan_two_blocks(policy: str) -> tuple[OffloadScheduler, list[int], list[int]]:
+    """A scheduler whose request R holds two hashed GPU blocks from cursor 0, planned once:
+    (the scheduler, R's GPU blocks, the GPU blocks the step stored)."""
+    sched = make_scheduler(OffloadConfig(block_size=1, num_gpu_blocks=4, num_cpu_blocks=3, policy=policy))
     ids = sched.gpu_pool.get_new_blocks(2)
     for i, b in enumerate(ids):
-        sched.gpu_pool.insert_block_hash((Req.block_hashes[i], 0), b)
-    sched.reqs_to_store["R"] = StoreState(Req(), [list(ids)], [0])
+        sched.gpu_pool.insert_block_hash((_Req.block_hashes[i], 0), b)
+    sched.reqs_to_store["R"] = StoreState(_Req(), [list(ids)], [0])
     out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(req_ids=["R"], new_block_ids=[None]),
                           num_scheduled_tokens={"R": 1})
-    meta = sched.build_connector_meta(out)
+    return sched, ids, sched.build_connector_meta(out).store_gpu_blocks
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> list[tuple[object, ...]]:
+    """Record the arguments of every call of ``module.name`` (still calling the real one)."""
+    calls: list[tuple[object, ...]] = []
+    real = getattr(module, name)
+
+    def spy(*args: object) -> object:
+        calls.append(tuple(list(a) if isinstance(a, list) else a for a in args))
+        return real(*args)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def test_the_baseline_scan_uses_the_checked_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No dead code: the contracts are about what the baseline policy actually runs."""
+    calls = _spy(monkeypatch, baseline_module, "scan_group")
+    sched, ids, stored = _plan_two_blocks("baseline")
     assert calls == [([True, True], 0, 2)]
-    assert meta.store_gpu_blocks == ids and sched.reqs_to_store["R"].num_stored_blocks == [2]
+    assert stored == ids and sched.reqs_to_store["R"].num_stored_blocks == [2]
+
+
+def test_the_signal_rescan_scan_uses_the_checked_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phase 1a and Phase 1b of signal-rescan are ``rescan_group`` (no rescan: nothing below the cursor)."""
+    calls = _spy(monkeypatch, signal_rescan_module, "rescan_group")
+    sched, ids, stored = _plan_two_blocks("signal-rescan")
+    assert calls == [([], [True, True], 0, 2, False)]
+    assert stored == ids and sched.reqs_to_store["R"].num_stored_blocks == [2]
+
+
+def test_the_repair_scan_uses_the_checked_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every position of the repair scan is decided by ``repair_step``."""
+    calls = _spy(monkeypatch, repair_module, "repair_step")
+    sched, ids, stored = _plan_two_blocks("repair")
+    assert calls == [("ready", False, False, 0, 2), ("ready", False, False, 1, 2)]
+    assert stored == ids and sched.reqs_to_store["R"].num_stored_blocks == [2]

@@ -184,7 +184,7 @@ def test_h1_flag_consumed_by_another_request(policy: str) -> None:
           step(), DRAIN])  # R2's store evicts R1's first entries
     r.steps(4)  # R2 is scheduled every step; R1 never is
     if policy == "signal-rescan":
-        assert r.sched.eviction_flag is False  # consumed by R2's step
+        assert r.sched.policy.eviction_flag is False  # consumed by R2's step
     assert r.hit(1, 49) == {"baseline": 0, "signal-rescan": 0, "repair": 48}[policy]
     assert_outcome(r, policy, seen={"baseline": C12, "signal-rescan": C12, "repair": set()},
                    end={"baseline": C12, "signal-rescan": C12, "repair": set()})
@@ -203,7 +203,7 @@ def test_h3_rescan_out_of_space(policy: str) -> None:
           step(),  # Z's and W's stores take all 4 CPU blocks: R's H1, H2 are evicted
           step()])  # both stores are still in flight: the CPU free count is 0 for R's rescan
     if policy == "signal-rescan":
-        assert r.sched.eviction_flag is False
+        assert r.sched.policy.eviction_flag is False
         assert r.stores[-1] == []
     r.do([DRAIN]).steps(2)
     r.do([finish("Z"), finish("W")]).steps(2)  # space comes back, but no new eviction
@@ -313,7 +313,7 @@ def _visits_under_churn(policy: str, stored_blocks: int) -> int:
     for k in range(3):  # each churn request stores 2 blocks: 2 evictions per step
         r.do([add(f"C{k}", 100 + k, 33, 1), step(admit=[f"C{k}"]), finish(f"C{k}"), DRAIN])
     r.do([step()])
-    return int(r.sched.visits_last_plan)
+    return int(r.sched.policy.visits_last_plan)
 
 
 @pytest.mark.parametrize("policy", ["signal-rescan", "repair"])
@@ -369,16 +369,16 @@ def test_pr_eviction_signal_set_and_consumed() -> None:
         rq.num_computed_tokens = 33
         s.update_state_after_alloc(rq, (g,), 0)
         complete(s, s.build_connector_meta(out(new=[(rq.request_id, g)])).store_event)
-    assert s.eviction_flag is False  # fresh CPU blocks: nothing evicted
+    assert s.policy.eviction_flag is False  # fresh CPU blocks: nothing evicted
     gc = alloc(s, c, 3)
     c.num_computed_tokens = 33
     s.update_state_after_alloc(c, (gc,), 0)
     s.cpu_pool.take_evicted()
-    s._cpu_alloc(2)  # what C's store would allocate: pops A's two entries
-    assert s.eviction_flag is True
-    assert s.consume_eviction_signal() is True
-    assert s.consume_eviction_signal() is False
-    assert s.eviction_flag is False
+    s.allocate_cpu(2)  # what C's store would allocate: pops A's two entries
+    assert s.policy.eviction_flag is True
+    assert s.policy.consume_eviction_signal() is True
+    assert s.policy.consume_eviction_signal() is False
+    assert s.policy.eviction_flag is False
 
 
 def test_pr_phase1a_restore_enables_cache_hit() -> None:
@@ -440,4 +440,4 @@ def test_pr_active_request_blocks_can_be_evicted() -> None:
     # A's GPU side is independent: still referenced by A and still hashed
     assert [s.gpu_pool.ref_cnt[g] for g in ga] == [1, 1, 1]
     assert all(s.gpu_pool.block_hash[g] is not None for g in ga[:2])
-    assert s.eviction_flag is True
+    assert s.policy.eviction_flag is True

@@ -3,10 +3,11 @@
 Each trace (``kvspec.drivers.tracegen.random_ops``, seeded, some operations deliberately invalid)
 runs on ``Engine(model)`` and ``Engine(impl)`` side by side. After every operation both
 must have raised the same ``KVSpecError`` subclass or neither, and ``engine.snapshot()``
-(both pools, the scheduler, the engine's view) must be equal. After every completed
+(both pools, the scheduler, the engine's view) must be equal, and the implementation's
+``_check()`` (every structure's own invariants) must hold. After every completed
 load and store the implementation's payload tensors must hold the data the engine's
-content model says was copied (data fidelity). Direct calls with bad input must be
-rejected alike, with the snapshot unchanged.
+content model says was copied (data fidelity). Direct calls with bad input are the error
+contract's (tests/contract_kit.py, run on both by tests/test_errors.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.errors import KVSpecError
-from kvspec.contract.types import CachedRequestData, KVConnectorOutput, NewRequestData, SchedulerOutput
 from kvspec.drivers.engine import Engine
 from kvspec.drivers.tracegen import random_ops
 from kvspec.impl import make_scheduler as make_impl
@@ -109,6 +109,7 @@ def run_side_by_side(config: OffloadConfig, seed: int, n_ops: int = N_OPS) -> di
         assert err_model is err_impl, f"op {i} {op}: model raised {err_model}, impl raised {err_impl}"
         diff = first_difference(model.snapshot(), impl.snapshot())
         assert diff is None, f"op {i} {op}: snapshots differ at {diff}"
+        impl.target._check()  # every structure's own invariants
         stats["ops"] += 1
         if err_model is not None:
             stats["rejected"] += 1
@@ -146,6 +147,35 @@ def test_a_divergent_implementation_is_caught(monkeypatch: pytest.MonkeyPatch) -
             run_side_by_side(CONFIGS["full-baseline"], seed)
 
 
+def test_the_registry_names_the_implementation_policies() -> None:
+    """Each ``POLICY_REGISTRY`` entry's ``impl`` names a class implementing ``StorePolicy`` under the
+    entry's name, and it is the class the scheduler builds for that policy."""
+    import importlib
+
+    from kvspec.contract.policy import POLICY_REGISTRY, StorePolicy
+
+    for name, entry in POLICY_REGISTRY.items():
+        module, _, attribute = entry.impl.partition(":")
+        policy_class = getattr(importlib.import_module(module), attribute)
+        assert isinstance(policy_class, type) and StorePolicy in policy_class.__mro__, entry.impl
+        assert policy_class.name == name, entry.impl
+        assert type(make_impl(replace(BASE, policy=name)).policy) is policy_class, entry.impl
+
+
+def test_a_structure_broken_out_of_sight_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The self-check is not vacuous: an in-flight mirror that forgets its tensor side keeps every
+    snapshot equal to the model's, and ``_check`` fails."""
+    from kvspec.impl.repair.in_flight import InFlightKeys
+
+    def dict_only(self: InFlightKeys, kids: torch.Tensor) -> None:
+        for k in kids.tolist():
+            self._counts[k] = self._counts.get(k, 0) + 1
+
+    monkeypatch.setattr(InFlightKeys, "add", dict_only)
+    with pytest.raises(AssertionError, match="in-flight keys: the tensor and the dict disagree"):
+        run_side_by_side(CONFIGS["full-repair"], 0)
+
+
 def test_a_wrong_copy_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Data fidelity can fail: loads that copy from the wrong CPU block are detected."""
     from kvspec.impl.payload import PayloadStore
@@ -162,57 +192,7 @@ def test_a_wrong_copy_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
             run_side_by_side(CONFIGS["loads-repair"], seed, 200)
 
 
-# -- direct calls with bad input ------------------------------------------------------------------
-
-
-class _Req:
-    def __init__(self, rid: str, hashes: list[str], num_tokens: int) -> None:
-        self.request_id = rid
-        self.block_hashes = hashes
-        self.num_computed_tokens = 0
-        self.num_output_placeholders = 0
-        self.skip_reading_prefix_cache = False
-        self._n = num_tokens
-
-    @property
-    def num_tokens(self) -> int:
-        return self._n
-
-
-def _bad_calls() -> list[tuple[str, Any]]:
-    r = _Req("a", ["h0", "h1"], 9)
-    return [
-        ("update_state_after_alloc", (r, ([1, 99],), 0)),
-        ("update_state_after_alloc", (r, ([1, True],), 0)),
-        ("update_state_after_alloc", (r, ([1, 2], [3]), 0)),
-        ("update_state_after_alloc", (r, (None,), 0)),
-        ("update_state_after_alloc", (r, ([1, 2],), -4)),
-        ("get_num_new_matched_tokens", (r, 99)),
-        ("build_connector_meta", (SchedulerOutput(scheduled_new_reqs=[NewRequestData("a", ([1, 500],))]),)),
-        ("build_connector_meta", (SchedulerOutput(num_scheduled_tokens={"a": -1}),)),
-        ("build_connector_meta", (SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["a"], [])),)),
-        ("update_connector_output", (KVConnectorOutput(finished_recving={"nobody"}),)),
-        ("update_connector_output", (KVConnectorOutput(completed_store_events={5: 1}),)),
-        ("request_finished_all_groups", (r, ([1, -1],))),
-        ("request_finished_all_groups", (r, ([1], [2]))),
-    ]
-
-
-@pytest.mark.parametrize("policy", ["baseline", "repair"])
-def test_bad_direct_calls_rejected_alike(policy: str) -> None:
-    config = replace(BASE, policy=policy)
-    for method, args in _bad_calls():
-        outcomes = []
-        for target in (make_model(config), make_impl(config)):
-            before = target.snapshot()
-            try:
-                getattr(target, method)(*args)
-                outcomes.append(None)
-            except KVSpecError as exc:
-                outcomes.append(type(exc))
-            assert target.snapshot() == before, f"{method}{args}: state changed by a rejected call"
-        assert outcomes[0] is not None, f"{method}{args}: the model accepted it"
-        assert outcomes[0] is outcomes[1], f"{method}{args}: model {outcomes[0]}, impl {outcomes[1]}"
+# -- the GPU pool face ----------------------------------------------------------------------------
 
 
 def test_gpu_pool_face_matches_the_model() -> None:

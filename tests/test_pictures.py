@@ -1,4 +1,5 @@
-"""scripts/make_pictures.py: the SPEC pictures come from real model runs and are up to date."""
+"""scripts/make_pictures.py: the SPEC pictures come from real model runs, drawn by kvspec.report's
+renderer, and are up to date."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from kvspec.report.positions import LOST, RECORDED
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "make_pictures.py"
@@ -58,7 +61,7 @@ def test_lru_picture_shows_the_t2_eviction(pictures: ModuleType) -> None:
 
 def test_cursor_picture_tells_the_three_policies_apart(pictures: ModuleType) -> None:
     base = pictures.cursor_rows("baseline")
-    assert base[-1].cells[:2] == ["hole", "hole"] and base[-1].reachable == 0 and base[-1].cursor == 6
+    assert base[-1].cells[:2] == (LOST, LOST) and base[-1].reachable == 0 and base[-1].cursor == 6
     rescan = [row.reachable for row in pictures.cursor_rows("signal-rescan")[1:]]
     assert rescan == [0, 2, 4, 0, 2, 4]  # H6: the thrash cycle, period 3
     repair = pictures.cursor_rows("repair")
@@ -66,4 +69,4 @@ def test_cursor_picture_tells_the_three_policies_apart(pictures: ModuleType) -> 
     # the new blocks' own allocation evicts H1, H2 (R6: new work first); from then on re-stores never
     # lower the reachable prefix (R7) and it grows to the pool's capacity
     assert reach[:2] == [4, 1] and reach[1:] == sorted(reach[1:]) and reach[-1] == 4
-    assert "hole" not in repair[-1].cells and repair[-1].cells[4:] == ["recorded", "recorded"]
+    assert LOST not in repair[-1].cells and repair[-1].cells[4:] == (RECORDED, RECORDED)

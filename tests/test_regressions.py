@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from kvspec.adapters import claims as claimed
 from kvspec.cli import main
 from kvspec.drivers import trace as trace_io
 from kvspec.drivers.harness import VIOLATION, replay
 from kvspec.model import make_scheduler
 from kvspec.model.bugs import BUGS, make_bug_target
-from kvspec.oracle import claims as oracles
 
 TRACES = Path(__file__).parent / "traces"
 
@@ -31,7 +31,7 @@ def test_bug_trace_still_finds_the_bug(name: str) -> None:
     tr = trace_io.read(TRACES / f"{name}.jsonl")
     assert tr.target == f"bug:{name}"
     assert tr.finding is not None and tr.finding["kind"] == VIOLATION, "a shipped trace records a violation"
-    oracle = oracles.resolve(None, tr.config, bug=name)
+    oracle = claimed.resolve(None, tr.config, bug=name)
     assert tr.oracle == oracle.ids, "the header records the oracle the catalogue gives the variant"
     out = replay(tr, lambda cfg: make_bug_target(name, cfg), oracle.ids)
     assert out.kind == VIOLATION, out.describe()
@@ -52,7 +52,7 @@ def test_cli_replay_reports_the_recorded_finding(name: str, capsys: pytest.Captu
 @pytest.mark.parametrize("name", sorted(BUGS))
 def test_bug_trace_is_clean_on_the_correct_policy(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     tr = trace_io.read(TRACES / f"{name}.jsonl")
-    out = replay(tr, make_scheduler, oracles.claims(tr.config).ids)
+    out = replay(tr, make_scheduler, claimed.claims(tr.config).ids)
     assert not out.failed, out.describe()
     assert main(["replay", str(TRACES / f"{name}.jsonl"), "--target", "model", "--oracle", "claims"]) == 0
     capsys.readouterr()

@@ -62,7 +62,7 @@ def test_counterexample_replays_as_a_c1_violation(found: dict[str, dict], name: 
     assert per_op[-1] == per_op[-2] == per_op[-3]
     assert all("requests R" in v for v in per_op[-1])
     if cfg.policy == "signal-rescan":
-        assert e.target.eviction_flag is False  # nothing left to trigger a rescan
+        assert e.target.policy.eviction_flag is False  # nothing left to trigger a rescan
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))

@@ -1,12 +1,13 @@
 """Conformance of the model's ``baseline`` policy with real vLLM 0.33.0.
 
 The same random engine traces (``kvspec.drivers.tracegen.random_ops``) run on
-``Engine(model baseline)`` and ``Engine(VllmTarget)`` side by side. After every
-operation both must agree on the outcome (result, or the ``KVSpecError`` class of a
-rejection) and on the whole snapshot, down to its JSON text: both pools, the
-scheduler state and the engine's view. Direct calls with bad input must be rejected by both with the same
-error class and change nothing. A failing trace is written in the trace format
-(``kvspec replay`` reads it) under ``KVSPEC_VLLM_TRACE_DIR`` (default: pytest's tmp dir).
+``Engine(VllmTarget)`` with ``Engine(model baseline)`` as the reference, through the harness'
+run loop (``kvspec.drivers.harness.Run``). After every operation both must agree on the
+outcome (result, or the ``KVSpecError`` class of a rejection) and on the whole snapshot, down
+to its JSON text (key order included): both pools, the scheduler state and the engine's view.
+Direct calls with bad input are the error contract's (``contract_kit.ErrorContract``, the
+same cases as for the model and the implementation). A failing trace is written in the trace
+format (``kvspec replay`` reads it) under ``KVSPEC_VLLM_TRACE_DIR`` (default: pytest's tmp dir).
 
 Tests that need vLLM carry the ``vllm`` marker and are skipped, with the reason, where
 vLLM 0.33.0 cannot be imported; run them with ``scripts/ci-vllm-stage.sh``.
@@ -16,7 +17,6 @@ vLLM 0.33.0 cannot be imported; run them with ``scripts/ci-vllm-stage.sh``.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from collections.abc import Callable
@@ -25,16 +25,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from contract_kit import ErrorContract
 
 from kvspec.adapters.vllm import vllm_available
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.errors import ConfigError, KVSpecError
-from kvspec.contract.types import CachedRequestData, KVConnectorOutput, NewRequestData, SchedulerOutput
+from kvspec.drivers import trace as trace_io
 from kvspec.drivers.engine import Engine
-from kvspec.drivers.harness import first_difference
+from kvspec.drivers.harness import Run, first_difference, run_ops
 from kvspec.drivers.trace import Trace
 from kvspec.drivers.tracegen import random_ops
 from kvspec.model import make_scheduler
+from kvspec.model.baseline import BaselinePolicy
 from kvspec.model.scheduler import OffloadScheduler
 
 VLLM_OK, VLLM_WHY = vllm_available()
@@ -85,35 +87,22 @@ class Divergence:
     what: str
 
 
-def _apply(engine: Engine, op: dict[str, Any]) -> tuple[str, Any]:
-    clean = {k: v for k, v in op.items() if k != "expect"}
-    try:
-        return "ok", engine.apply(clean)
-    except KVSpecError as exc:
-        return "rejected", type(exc).__name__
-
-
 def run_side_by_side(config: OffloadConfig, ops: list[dict[str, Any]],
                      reference: Callable[[OffloadConfig], Any], target: Callable[[OffloadConfig], Any],
                      tally: Tally | None = None) -> Divergence | None:
-    """Apply ``ops`` to both engines; the first disagreement, or None."""
-    ref, got = Engine(reference(config)), Engine(target(config))
+    """Apply ``ops`` to the target with the reference alongside (``harness.Run``: the same outcome
+    and the same snapshot, key order included, after every operation; an operation marked
+    ``"expect": "error"`` rejected); the first disagreement, or None."""
+    run = Run(config, target, (), reference=reference)
     for i, op in enumerate(ops):
-        want_out, got_out = _apply(ref, op), _apply(got, op)
-        if want_out != got_out:
-            return Divergence(i, op, f"outcome: reference {want_out!r} != target {got_out!r}")
-        if op.get("expect") == "error" and want_out[0] != "rejected":
-            return Divergence(i, op, "an operation marked invalid was accepted")
-        want_snap, got_snap = ref.snapshot(), got.snapshot()
-        diff = first_difference(want_snap, got_snap)
-        if diff is not None:
-            return Divergence(i, op, diff)
-        if json.dumps(want_snap) != json.dumps(got_snap):
-            return Divergence(i, op, "snapshots are equal but not in the same canonical order")
+        found = run.apply(op)
+        if found is not None:
+            return Divergence(i, op, found.describe())
         if tally is not None:
             tally.ops += 1
-            tally.rejected += want_out[0] == "rejected"
             tally.by_op[op["op"]] = tally.by_op.get(op["op"], 0) + 1
+    if tally is not None:
+        tally.rejected += run.rejected
     return None
 
 
@@ -208,16 +197,22 @@ if VLLM_OK:
 # -- the comparison can fail -----------------------------------------------------------------------
 
 
-class _FlushFromZero(OffloadScheduler):
+class _FlushFromZeroPolicy(BaselinePolicy):
     """Not vLLM: the finish flush scans each group from position 0 instead of the cursor."""
 
-    def _select_finish_flush(self, st: Any, block_ids: list[list[int]]) -> list[int]:
+    def finish_flush(self, request: Any, block_ids: list[list[int]]) -> None:
+        st = self.sched.reqs_to_store[request.request_id]
         saved = st.num_stored_blocks
         st.num_stored_blocks = [0] * len(saved)
         try:
-            return self._select_eager_blocks_to_store(st, block_ids)[0]
+            super().finish_flush(request, block_ids)
         finally:
             st.num_stored_blocks = saved
+
+
+class _FlushFromZero(OffloadScheduler):
+    def __init__(self, config: OffloadConfig, gpu_pool: Any) -> None:
+        super().__init__(config, gpu_pool, _FlushFromZeroPolicy)
 
 
 class _PinReleasedBackwards(OffloadScheduler):
@@ -354,92 +349,16 @@ def test_hand_driven_scenarios_agree_call_by_call(modname: str, name: str, kwarg
     assert made and sum(s.calls for s in made) > 0
 
 
-# -- rejections of bad input ------------------------------------------------------------------------
+# -- the error contract on vLLM (tests/contract_kit.py) ----------------------------------------------
 
 
-def _bad_calls(engine: Engine) -> list[tuple[str, Callable[[Any], Any]]]:
-    """Direct target calls with bad input, built from the engine's current state."""
-    cfg = engine.config
-    G, N = cfg.num_groups, cfg.num_gpu_blocks
-    reqs = list(engine.requests.values())
-    calls: list[tuple[str, Callable[[Any], Any]]] = [
-        ("meta: wrong group count", lambda t: t.build_connector_meta(
-            SchedulerOutput(scheduled_new_reqs=[NewRequestData("x", tuple([1] for _ in range(G + 1)))]))),
-        ("meta: id out of range", lambda t: t.build_connector_meta(
-            SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["x"], [tuple([N] for _ in range(G))])))),
-        ("meta: negative tokens", lambda t: t.build_connector_meta(
-            SchedulerOutput(num_scheduled_tokens={"x": -1}))),
-        ("report: unknown event", lambda t: t.update_connector_output(
-            KVConnectorOutput(completed_store_events={10_000: 1}))),
-        ("report: count 0", lambda t: t.update_connector_output(
-            KVConnectorOutput(completed_store_events={0: 0}))),
-        ("report: count above world size", lambda t: t.update_connector_output(
-            KVConnectorOutput(completed_store_events={0: cfg.world_size + 1}))),
-        ("report: unknown load", lambda t: t.update_connector_output(
-            KVConnectorOutput(finished_recving={"no-such-request"}))),
-        ("gpu: touch null", lambda t: t.gpu_pool.touch([0])),
-        ("gpu: free out of range", lambda t: t.gpu_pool.free_blocks([N])),
-        ("gpu: allocate too many", lambda t: t.gpu_pool.get_new_blocks(N)),
-        ("gpu: allocate negative", lambda t: t.gpu_pool.get_new_blocks(-1)),
-    ]
-    free = list(engine.gpu.free_queue)
-    if free:
-        calls.append(("gpu: double free", lambda t: t.gpu_pool.free_blocks([free[0]])))
-    hashed = [b for b in range(1, N) if engine.gpu.block_hash[b] is not None]
-    if hashed:
-        b = hashed[0]
-        calls.append(("gpu: second key", lambda t: t.gpu_pool.insert_block_hash(("ab" * 8, 0), b)))
-    for r in reqs[:3]:
-        calls += [
-            ("lookup: computed > tokens", lambda t, r=r: t.get_num_new_matched_tokens(r, r.num_tokens + 1)),
-            ("alloc: wrong group count", lambda t, r=r: t.update_state_after_alloc(r, ([],) * (G + 1), 0)),
-            ("alloc: id out of range", lambda t, r=r: t.update_state_after_alloc(r, ([N],) * G, 0)),
-            ("alloc: ext > tokens", lambda t, r=r: t.update_state_after_alloc(r, ([],) * G, r.num_tokens + 1)),
-            ("finish: id out of range", lambda t, r=r: t.request_finished_all_groups(r, ([-1],) * G)),
-        ]
-    pending = engine.target.snapshot()["scheduler"]["pending_cpu_hits"]
-    for rid, hit in list(pending.items())[:2]:
-        r = engine.requests[rid]
-        ext_bad = hit["hit_len"] + cfg.block_size
-        if ext_bad <= r.num_tokens:
-            calls.append(("alloc: ext beyond the hit",
-                          lambda t, r=r, e=ext_bad: t.update_state_after_alloc(r, ([],) * G, e)))
-        if cfg.block_size > 1:
-            calls.append(("alloc: ext off the block grid",
-                          lambda t, r=r: t.update_state_after_alloc(r, ([],) * G, 1)))
-        calls.append(("alloc: load into a missing block",
-                      lambda t, r=r, h=hit: t.update_state_after_alloc(r, ([],) * G, h["hit_len"])))
-    return calls
-
-
-@pytest.mark.parametrize("name", ["full-ws1-bigcpu", "full+sliding-ws1", "full-ws2"])
 @pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
-def test_bad_input_is_rejected_alike_and_changes_nothing(name: str) -> None:
-    config = CONFIGS[name]
-    checked = 0
-    for seed in range(4):
-        ops = trace_for(config, 1000 + seed, 160)
-        ref, got = Engine(make_scheduler(config)), Engine(_vllm_factory(config))
-        for i, op in enumerate(ops):
-            assert _apply(ref, op) == _apply(got, op)
-            if i % 20 != 19:
-                continue
-            before = ref.snapshot()
-            assert first_difference(before, got.snapshot()) is None
-            # the same calls, built from each engine's own (identical) state
-            for (what, call), (_, call_v) in zip(_bad_calls(ref), _bad_calls(got), strict=True):
-                errs = []
-                for engine, fn in ((ref, call), (got, call_v)):
-                    with pytest.raises(KVSpecError) as info:
-                        fn(engine.target)
-                    errs.append(type(info.value).__name__)
-                assert errs[0] == errs[1], f"{what}: model {errs[0]}, vLLM {errs[1]}"
-                assert first_difference(before, ref.snapshot()) is None, f"{what} changed the model"
-                assert first_difference(before, got.snapshot()) is None, f"{what} changed vLLM"
-                checked += 1
-    print(f"\n[vllm rejections] {name}: {checked} bad calls rejected alike, nothing changed")
-    assert checked > 100
+class TestVllmErrorContract(ErrorContract):
+    """Every bad call of the contract refused by the adapter, in vLLM's state, as the model refuses it."""
+
+    factory = _vllm_factory
+    policy = "baseline"
 
 
 # -- where the model is stricter than vLLM ----------------------------------------------------------------
@@ -508,10 +427,10 @@ def test_vllm_snapshots_follow_the_snapshot_schema() -> None:
     from kvspec.contract.snapshot_io import snapshot_issues
 
     config = CONFIGS["full+sliding-ws1"]
-    engine = Engine(_vllm_factory(config))
+    run = Run(config, _vllm_factory, ())
     for op in trace_for(config, 7, 120):
-        _apply(engine, op)
-        issues = snapshot_issues(engine.snapshot())
+        assert run.apply(op) is None
+        issues = snapshot_issues(run.snapshot)
         assert not issues, issues[:3]
 
 
@@ -521,8 +440,8 @@ def test_vllm_snapshots_follow_the_snapshot_schema() -> None:
 def test_invariants_alone_find_the_stale_cursor_fixme_in_vllm(name: str) -> None:
     """No model as oracle: random traces on vLLM and the catalogue find C1 (the FIXME) by
     themselves, and the shrunk trace still shows it on vLLM."""
-    from kvspec.adapters.vllm import baseline_oracle, fuzz_with_invariants
-    from kvspec.drivers.harness import run_ops
+    from kvspec.adapters.vllm import baseline_oracle
+    from kvspec.drivers.harness import fuzz_with_invariants
 
     config = CONFIGS[name]
     for seed in range(3):
@@ -543,12 +462,12 @@ def test_invariants_alone_find_the_stale_cursor_fixme_in_vllm(name: str) -> None
 @pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
 def test_vllm_keeps_what_the_baseline_claims(name: str) -> None:
     """Every invariant the baseline policy claims holds on vLLM along random traces."""
-    from kvspec.adapters.vllm import fuzz_with_invariants
-    from kvspec.model.scheduler import OffloadScheduler
+    from kvspec.drivers.harness import fuzz_with_invariants
+    from kvspec.model.baseline import BaselinePolicy
 
     config = CONFIGS[name]
     res = fuzz_with_invariants(config, seed=11, max_traces=8, ops_per_trace=300,
-                               oracle=OffloadScheduler.claims(config), shrink=False)
+                               oracle=BaselinePolicy.claims(config), shrink=False)
     assert res.error is None, res.error
     assert not res.found, f"{res.violation} at operation {len(res.trace_ops) - 1}: {res.trace_ops}"
     assert res.ops == 8 * 300
@@ -581,14 +500,11 @@ def test_random_ops_are_valid_and_reproducible(name: str) -> None:
     ops = random_ops(config, random.Random(5), 250, invalid_rate=0.05)
     assert ops == random_ops(config, random.Random(5), 250, invalid_rate=0.05)
     assert ops != random_ops(config, random.Random(6), 250, invalid_rate=0.05)
-    engine = Engine(make_scheduler(config))
-    kinds: dict[str, int] = {}
-    for op in ops:
-        outcome = _apply(engine, op)
-        assert (outcome[0] == "rejected") == (op.get("expect") == "error"), (op, outcome)
-        kinds[op["op"]] = kinds.get(op["op"], 0) + 1
-    assert {"add", "step", "report", "finish"} <= set(kinds)
-    assert Trace(config, ops).dumps().count("\n") == len(ops) + 1
+    out = run_ops(config, ops, make_scheduler, ())  # each accepted, or rejected where it says "expect": "error"
+    assert not out.failed, out.describe()
+    assert out.rejected == sum(op.get("expect") == "error" for op in ops) > 0
+    assert {"add", "step", "report", "finish"} <= {op["op"] for op in ops}
+    assert trace_io.loads(Trace(config, ops).dumps()).ops == ops  # every operation can be written in a trace
 
 
 def test_random_ops_reach_every_phase() -> None:
@@ -596,13 +512,13 @@ def test_random_ops_reach_every_phase() -> None:
     config = CONFIGS["full-ws1-bigcpu"]
     seen: set[str] = set()
     for seed in range(12):
-        engine = Engine(make_scheduler(config))
+        run = Run(config, make_scheduler, ())
         for op in trace_for(config, seed):
             if op["op"] == "finish" and op.get("expect") != "error":
-                seen.add("finish " + engine.requests[op["rid"]].status)
+                seen.add("finish " + run.engine.requests[op["rid"]].status)
             if op["op"] == "step" and op.get("preempt"):
                 seen.add("preempt " + op.get("resume", "mrv1"))
-            _apply(engine, op)
+            assert run.apply(op) is None
             if op["op"] == "load_done":
                 seen.add("load_done")
             if op["op"] == "reset":

@@ -21,9 +21,10 @@ drive the model:
   so a bad call raises the same ``KVSpecError`` subclass and changes nothing.
 * **snapshot()** reads vLLM's objects back into the model's canonical format.
 
-``fuzz_with_invariants`` searches real vLLM with random engine traces and nothing
-but the invariant catalogue as oracle (what an engine author without kvspec's
-model would have); it finds the stale-cursor FIXME as a C1 violation by itself.
+``baseline_oracle`` is what vLLM 0.33.0 claims plus completeness C1: with it as the only
+oracle (no model alongside, what an engine author without kvspec's model would have),
+``kvspec.drivers.harness.fuzz_with_invariants`` finds the stale-cursor FIXME in real vLLM
+as a C1 violation by itself.
 
 vLLM is imported only inside ``make_vllm_target``: kvspec imports without it, and a
 missing vLLM is a ``ConfigError`` that says how to get it. Only the ``baseline``
@@ -33,29 +34,29 @@ policy exists in vLLM 0.33.0.
 from __future__ import annotations
 
 import logging
-import random
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, overload
 
 from kvspec.contract.checks import (
     check_block_ids,
-    check_connector_output,
+    check_block_key,
+    check_cached_block_query,
     check_count,
     check_free_counts,
-    check_pool_ids,
+    check_id_list,
+    check_key_change,
+    check_load_acceptance,
+    check_load_block,
+    check_new_block_count,
+    check_request,
+    check_scheduler_output,
+    check_store_keys,
+    check_worker_output,
 )
 from kvspec.contract.config import OffloadConfig
-from kvspec.contract.errors import (
-    ConfigError,
-    InvalidBlockError,
-    InvalidCountError,
-    InvalidOperationError,
-    KVSpecError,
-    OutOfBlocksError,
-)
+from kvspec.contract.errors import ConfigError, InvalidOperationError
 from kvspec.contract.snapshot import Transfer, pool_section, scheduler_section
 from kvspec.contract.types import (
     BlockIds,
@@ -63,11 +64,9 @@ from kvspec.contract.types import (
     KVConnectorOutput,
     RequestView,
     SchedulerOutput,
-    yield_req_data,
 )
 
 VLLM_VERSION = "0.33.0"
-NULL_BLOCK = 0
 _MAX_MODEL_LEN = 1 << 20
 _GROUP_ID_BYTES = 4
 
@@ -183,14 +182,16 @@ def pool_snapshot(pool: Any) -> dict[str, Any]:
 class VllmPool:
     """A vLLM ``BlockPool`` behind kvspec's ``GpuPool`` contract (block ids, text keys).
 
-    Every call is checked with the model pool's rules first (ids in range, never the
-    null block, no free below ref count 0, no allocation beyond the free count), so a
-    refused call changes nothing, as in the model.
+    Every call is checked with the model pool's rules first (``kvspec.contract.checks``: ids
+    in range, never the null block, no free below ref count 0, no allocation beyond the free
+    count, keys and group ids of the right shape), so a refused call raises what the model
+    raises and changes nothing. ``num_groups`` bounds the group ids of keys (None: unbounded).
     """
 
-    def __init__(self, pool: Any, name: str = "gpu") -> None:
+    def __init__(self, pool: Any, name: str = "gpu", num_groups: int | None = None) -> None:
         self.pool = pool
         self.name = name
+        self.num_groups = num_groups
         self.num_blocks: int = pool.num_gpu_blocks
         self.ref_cnt = _BlockView(pool.blocks, lambda b: b.ref_cnt)
         self.block_hash = _BlockView(pool.blocks, lambda b: key_from_bytes(b.block_hash))
@@ -200,50 +201,41 @@ class VllmPool:
         return int(self.pool.get_num_free_blocks())
 
     def get_new_blocks(self, n: int) -> list[int]:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise InvalidCountError(f"{self.name}: cannot allocate {n!r} blocks")
-        free = self.get_num_free_blocks()
-        if n > free:
-            raise OutOfBlocksError(f"{self.name}: cannot allocate {n} blocks, only {free} free")
+        check_new_block_count(n, self.get_num_free_blocks(), self.name)
         return [b.block_id for b in self.pool.get_new_blocks(n)]
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        ids = list(block_ids)
-        self._validate(ids, "touch")
+        ids = self._validate(block_ids, "touch")
         self.pool.touch([self.pool.blocks[b] for b in ids])
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
-        ids = list(block_ids)
-        self._validate(ids, "free")
+        ids = self._validate(block_ids, "free")
         check_free_counts(ids, lambda b: self.pool.blocks[b].ref_cnt, self.name)
         self.pool.free_blocks([self.pool.blocks[b] for b in ids])
 
     def insert_block_hash(self, key: Key, block_id: int) -> None:
         """Register a full block under ``key`` (vLLM ``_insert_block_hash``)."""
+        check_block_key(key, self.num_groups, self.name, "register")
         self._validate([block_id], "register")
-        raw = key_to_bytes(key)
         block = self.pool.blocks[block_id]
-        if block.block_hash == raw:
+        current = None if block.block_hash is None else _key_text(block.block_hash)
+        if check_key_change(self.name, block_id, current, f"{key[0]}:{key[1]}"):
             return
-        if block.block_hash is not None:
-            raise InvalidBlockError(
-                f"{self.name}: block {block_id} already cached as {_key_text(block.block_hash)}, "
-                f"cannot also register {key[0]}:{key[1]}"
-            )
-        self.pool._insert_block_hash(raw, block, num_tokens=None)
+        self.pool._insert_block_hash(key_to_bytes(key), block, num_tokens=None)
 
     def get_cached_block(self, block_hash: str, group_ids: list[int]) -> list[int] | None:
+        check_cached_block_query(block_hash, group_ids, self.num_groups, self.name)
         got = self.pool.get_cached_block(hash_to_bytes(block_hash), list(group_ids))
         return None if got is None else [b.block_id for b in got]
 
     def get_one_block(self, key: Key) -> int | None:
+        check_block_key(key, self.num_groups, self.name, "look up", lookup=True)
         got = self.pool.cached_block_hash_to_block.get_one_block(key_to_bytes(key))
         return None if got is None else got.block_id
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the cached entries (and hashes) of blocks, whatever their ref count."""
-        ids = list(block_ids)
-        self._validate(ids, "evict", allow_null=True)
+        ids = self._validate(block_ids, "evict", allow_null=True)
         self.pool.evict_blocks(set(ids))
 
     def reset_prefix_cache(self) -> bool:
@@ -252,8 +244,8 @@ class VllmPool:
     def snapshot(self) -> dict[str, Any]:
         return pool_snapshot(self.pool)
 
-    def _validate(self, ids: Sequence[int], what: str, allow_null: bool = False) -> None:
-        check_pool_ids(ids, self.num_blocks, self.name, what, allow_null)
+    def _validate(self, block_ids: object, what: str, allow_null: bool = False) -> list[int]:
+        return check_id_list(block_ids, self.num_blocks, self.name, what, allow_null)
 
 
 VllmGpuPool = VllmPool
@@ -290,7 +282,7 @@ class VllmTarget:
         self._v = vllm
         self.num_groups = config.num_groups
         self.block_size = config.block_size
-        kv_cache_config, page_bytes = self._kv_cache_config()
+        kv_cache_config, page_bytes = self.kv_cache_config_for(vllm, config)
         vllm_config = SimpleNamespace(
             kv_events_config=None,
             parallel_config=SimpleNamespace(decode_context_parallel_size=1, world_size=config.world_size),
@@ -311,12 +303,13 @@ class VllmTarget:
         )
         gpu = vllm.BlockPool(config.num_gpu_blocks, enable_caching=True, hash_block_size=config.block_size)
         self.manager.bind_gpu_block_pool(gpu)
-        self.gpu_pool = VllmPool(gpu, "gpu")
-        self.cpu_pool = VllmPool(self.manager.cpu_block_pool, "cpu")
+        self.gpu_pool = VllmPool(gpu, "gpu", config.num_groups)
+        self.cpu_pool = VllmPool(self.manager.cpu_block_pool, "cpu", config.num_groups)
         self._mirrors: dict[str, _Mirror] = {}
 
-    def _kv_cache_config(self) -> tuple[Any, int]:
-        v, cfg = self._v, self.config
+    @staticmethod
+    def kv_cache_config_for(v: SimpleNamespace, cfg: OffloadConfig) -> tuple[Any, int]:
+        """vLLM's ``KVCacheConfig`` for ``cfg`` (one tensor and one group per configured group), page bytes."""
         tensors, groups = [], []
         page_bytes = 0
         for g, spec in enumerate(cfg.groups):
@@ -383,6 +376,7 @@ class VllmTarget:
     # -- OffloadTarget: loads ----------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+        check_request(request, "get_num_new_matched_tokens")
         check_count(num_computed_tokens, "num_computed_tokens", request.num_tokens)
         for h in request.block_hashes:
             hash_to_bytes(h)
@@ -393,49 +387,35 @@ class VllmTarget:
 
     def update_state_after_alloc(self, request: RequestView, block_ids: BlockIds,
                                  num_external_tokens: int) -> None:
-        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "update_state_after_alloc")
-        rid = request.request_id
+        rid = check_request(request, "update_state_after_alloc")
+        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "update_state_after_alloc",
+                              none_groups=False)
         check_count(num_external_tokens, "num_external_tokens", request.num_tokens)
         pending = self.manager._pending_cpu_hits.get(rid)
         if num_external_tokens > 0 and pending is not None:
             self._check_load(rid, ids, pending, num_external_tokens)
         req = self._mirror(request)
         self._sync_known()
-        blocks = self._v.KVCacheBlocks(
-            tuple([self.gpu_pool.pool.blocks[b] for b in (g or [])] for g in ids)
-        )
+        blocks = self._v.KVCacheBlocks(tuple([self.gpu_pool.pool.blocks[b] for b in g or ()] for g in ids))
         self.manager.update_state_after_alloc(req, blocks, num_external_tokens)
 
     def _check_load(self, rid: str, ids: BlockIds, pending: Any, ext: int) -> None:
+        """The model's rules for accepting ``ext`` tokens of the pinned hit ``pending``
+        (``kvspec.contract.checks``): aligned, within the hit, one load per request, and a GPU
+        block allocated at every position the load fills."""
         hits, hit_len, local = pending
-        if ext % self.block_size:
-            raise InvalidOperationError(
-                f"{rid}: num_external_tokens {ext} is not a multiple of the block size {self.block_size}"
-            )
-        if ext > hit_len:
-            raise InvalidOperationError(f"{rid}: accepted {ext} external tokens of a {hit_len}-token hit")
-        if rid in self.manager._reqs_to_load:
-            raise InvalidOperationError(f"{rid}: a load is already registered")
+        check_load_acceptance(rid, ext, self.block_size, hit_len, rid in self.manager._reqs_to_load)
         start = local // self.block_size
         for g, group_hits in enumerate(hits):
             for i, cb in enumerate(group_hits[: -(-ext // self.block_size)]):
-                if cb.is_null:
-                    continue
-                table = ids[g] or []
-                if start + i >= len(table) or table[start + i] == NULL_BLOCK:
-                    raise InvalidOperationError(
-                        f"{rid}: group {g} has no allocated GPU block at position {start + i} for the load"
-                    )
+                if not cb.is_null:
+                    check_load_block(rid, g, start + i, ids[g] or ())
 
     # -- OffloadTarget: planning -------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
         out = scheduler_output
-        for rid, ids, _ in yield_req_data(out):
-            if ids is not None:
-                check_block_ids(ids, self.num_groups, self.gpu_pool.num_blocks, f"scheduler output for {rid}")
-        for rid, n in out.num_scheduled_tokens.items():
-            check_count(n, f"num_scheduled_tokens[{rid}]")
+        check_scheduler_output(out, self.num_groups, self.gpu_pool.num_blocks)
         self._sync_known()
         meta = self.manager.build_connector_meta(self._scheduler_output(out))
         return ConnectorMetadata(
@@ -493,12 +473,11 @@ class VllmTarget:
             st = mgr._reqs_to_load.get(rid) or mgr._abandoned_reqs_to_load.get(rid)
             return None if st is None else st.load_event is not None
 
-        check_connector_output(connector_output, load_sent, mgr._store_event_counter, self.config.world_size)
+        check_worker_output(connector_output, load_sent, mgr._store_event_counter, self.config.world_size)
         for e in connector_output.completed_store_events:
             t = mgr._store_event_to_blocks.get(e)
-            for g in t.gpu_block_ids if t is not None else ():
-                if self.gpu_pool.pool.blocks[g].block_hash is None:
-                    raise InvalidOperationError(f"store event {e}: GPU block {g} lost its hash before completion")
+            check_store_keys(e, t.gpu_block_ids if t is not None else (),
+                             lambda g: self.gpu_pool.pool.blocks[g].block_hash)
         self._sync_known()
         mgr.update_connector_output(self._v.KVConnectorOutput(
             finished_recving=set(connector_output.finished_recving),
@@ -509,7 +488,9 @@ class VllmTarget:
     # -- OffloadTarget: finish, reset ---------------------------------------------------------
 
     def request_finished_all_groups(self, request: RequestView, block_ids: BlockIds) -> tuple[bool, None]:
-        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "request_finished")
+        check_request(request, "request_finished")
+        ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "request_finished",
+                              none_groups=False)
         req = self._mirror(request)
         self._sync_known()
         done, params = self.manager.request_finished_all_groups(req, tuple(list(g or []) for g in ids))
@@ -518,6 +499,7 @@ class VllmTarget:
 
     def request_finished(self, request: RequestView) -> tuple[bool, None]:
         """vLLM's single-list ``request_finished`` (no flush); the scheduler never calls it."""
+        check_request(request, "request_finished", full=False)
         req = self._mirror(request)
         self._sync_known()
         done, params = self.manager.request_finished(req, [])
@@ -537,11 +519,12 @@ class VllmTarget:
         return {
             "gpu_pool": self.gpu_pool.snapshot(),
             "cpu_pool": pool_snapshot(self.manager.cpu_block_pool),
-            "scheduler": self._scheduler_snapshot(),
+            "scheduler": self.manager_snapshot(self.manager, self.policy_name),
         }
 
-    def _scheduler_snapshot(self) -> dict[str, Any]:
-        mgr = self.manager
+    @staticmethod
+    def manager_snapshot(mgr: Any, policy: str) -> dict[str, Any]:
+        """A ``SimpleCPUOffloadScheduler``'s state as the canonical scheduler section."""
 
         def transfer(t: Any) -> Transfer:
             return t.gpu_block_ids, t.cpu_block_ids
@@ -550,7 +533,7 @@ class VllmTarget:
             return transfer(st.transfer_meta), st.load_event, st.finished
 
         return scheduler_section(
-            policy=self.policy_name,
+            policy=policy,
             lazy=mgr._lazy_mode,
             lazy_cursor=None if mgr._cursor is None else mgr._cursor.block_id,
             pending_cpu_hits={r: ([[b.block_id for b in g] for g in blocks], hit_len, local)
@@ -641,73 +624,13 @@ def make_vllm_target(config: OffloadConfig) -> VllmTarget:
     return VllmTarget(config, _import_vllm())
 
 
-# -- fuzzing vLLM with the invariant catalogue alone -------------------------------------------
-
-
-@dataclass
-class InvariantFuzzResult:
-    """What ``fuzz_with_invariants`` found: the first violation, where, and after how much."""
-
-    found: bool
-    seconds: float
-    traces: int
-    ops: int
-    violation: Any = None
-    trace_ops: list[dict[str, Any]] = field(default_factory=list)
-    shrunk_ops: list[dict[str, Any]] = field(default_factory=list)
-    shrunk_violation: Any = None
-    error: str | None = None
+# -- the oracle of vLLM 0.33.0 ------------------------------------------------------------------
 
 
 def baseline_oracle(config: OffloadConfig) -> tuple[str, ...]:
-    """The invariants vLLM 0.33.0 (the ``baseline`` policy) claims, plus completeness C1."""
-    from kvspec.model.scheduler import OffloadScheduler
+    """The invariants vLLM 0.33.0 (the ``baseline`` policy) claims, plus completeness C1: the oracle
+    that finds the stale-cursor FIXME in real vLLM with no model alongside
+    (``kvspec.drivers.harness.fuzz_with_invariants``)."""
+    from kvspec.model.baseline import BaselinePolicy
 
-    return (*OffloadScheduler.claims(config), "C1")
-
-
-def fuzz_with_invariants(config: OffloadConfig, *, seed: int = 0, max_traces: int = 50, ops_per_trace: int = 200,
-                         oracle: Sequence[str] | None = None, shrink: bool = True,
-                         factory: Callable[[OffloadConfig], Any] | None = None) -> InvariantFuzzResult:
-    """Random engine traces on real vLLM, ``model.invariants.check`` after every operation.
-
-    Operations are drawn from the vLLM engine's own state (``kvspec.drivers.tracegen``'s
-    generator); no model runs. The search stops at the first violation of ``oracle``
-    (default: ``baseline_oracle(config)``) or of the engine's own rules, and shrinks the
-    trace by delta debugging with the same oracle, on vLLM again. Deterministic in
-    ``seed``; ``factory`` defaults to ``make_vllm_target``.
-    """
-    from kvspec.drivers.engine import Engine
-    from kvspec.drivers.harness import Outcome
-    from kvspec.drivers.harness import shrink as shrink_ops
-    from kvspec.drivers.tracegen import _Generator
-    from kvspec.oracle.catalogue import check
-
-    make = factory or make_vllm_target
-    ids = tuple(oracle) if oracle is not None else baseline_oracle(config)
-    rng = random.Random(seed)
-    start = time.monotonic()
-    total = 0
-    for n_trace in range(1, max_traces + 1):
-        engine = Engine(make(config))
-        gen = _Generator(config, rng, rng.choice([1, 2, 3]))
-        ops: list[dict[str, Any]] = []
-        for _ in range(ops_per_trace):
-            op = gen.valid(engine)
-            ops.append(op)
-            total += 1
-            try:
-                engine.apply(op)
-            except KVSpecError as exc:
-                return InvariantFuzzResult(False, time.monotonic() - start, n_trace, total, trace_ops=ops,
-                                           error=f"operation {len(ops) - 1} {op} rejected: {exc}")
-            found = check(engine.snapshot(), ids)
-            if not found:
-                continue
-            result = InvariantFuzzResult(True, time.monotonic() - start, n_trace, total, found[0], ops)
-            if shrink:
-                finding = Outcome(len(ops), violation=found[0], op_index=len(ops) - 1)
-                small, out = shrink_ops(config, ops, make, ids, finding, time.monotonic() + 60.0)
-                result.shrunk_ops, result.shrunk_violation = small, out.violation
-            return result
-    return InvariantFuzzResult(False, time.monotonic() - start, max_traces, total)
+    return (*BaselinePolicy.claims(config), "C1")

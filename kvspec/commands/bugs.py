@@ -2,7 +2,8 @@
 
 A bug counts as *found* only when a named invariant of its oracle breaks (kind
 ``violation``); a crash of the variant is reported (kind ``crash``) but is not a find,
-since a crash says nothing about the rule the variant breaks. No reference model runs.
+since a crash says nothing about the rule the variant breaks. No reference model runs. With
+``--out``, each shrunk trace is saved with its finding page beside it (the same name, ``.html``).
 
 Exit codes: 0 every bug found, 1 some bug not found, 2 bad arguments, 3 internal error,
 130 interrupted.
@@ -16,11 +17,13 @@ import sys
 from functools import partial
 from typing import Any
 
+from kvspec.adapters.targets import TargetFactory
 from kvspec.commands.fuzz import budget_seconds
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
 from kvspec.drivers.harness import VIOLATION, check_writable, finding_name, fuzz, save_trace
 from kvspec.drivers.trace import Trace
 from kvspec.model.bugs import BUGS, make_bug_target
+from kvspec.report.html import page_for_trace
 
 NAME = "bugs"
 HELP = "fuzz each known-bug variant (invariants only, no reference model) and report what is found"
@@ -45,12 +48,16 @@ def hunt(budget: float, seed: int, names: list[str] | None = None, out: str | No
         if not quiet:
             print(f"  hunting {name} ...", file=sys.stderr)
 
-        def keep(trace: Trace, stage: str, name: str = name, policy: str = bug.policy) -> None:
-            if out is not None and stage == "shrunk":
-                save_trace(trace, out, f"{name}.jsonl" if trace.finding and trace.finding["kind"] == VIOLATION
-                           else finding_name(f"bug:{name}", policy, "claims", trace))
+        factory = partial(make_bug_target, name)
 
-        res = fuzz(partial(make_bug_target, name), bug.policy, budget, seed,
+        def keep(trace: Trace, stage: str, name: str = name, policy: str = bug.policy,
+                 factory: TargetFactory = factory) -> None:
+            if out is not None and stage == "shrunk":
+                path = save_trace(trace, out, f"{name}.jsonl" if trace.finding and trace.finding["kind"] == VIOLATION
+                                  else finding_name(f"bug:{name}", policy, "claims", trace))
+                page_for_trace(trace, path, factory)
+
+        res = fuzz(factory, bug.policy, budget, seed,
                    target_name=f"bug:{name}", bug=name, on_finding=keep)
         kind = res.kind
         o = res.outcome

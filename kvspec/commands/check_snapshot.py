@@ -2,9 +2,10 @@
 
 Any engine that can dump its state in kvspec's snapshot format
 (``kvspec/contract/schema/snapshot.schema.json``) can be checked this way, without kvspec's
-model. The oracle (``--oracle``, see ``kvspec.oracle.claims``) is by default what the snapshot's
-policy (``scheduler.policy``) claims under the configuration in ``engine.config``; without an
-``engine`` section, the claims that hold under every configuration and need no engine view.
+model. The oracle (``--oracle``; ``kvspec.oracle.oracles``, ``kvspec.adapters.claims``) is by
+default what the snapshot's policy (``scheduler.policy``) claims under the configuration in
+``engine.config``; without an ``engine`` section, the claims that hold under every
+configuration and need no engine view.
 ``--oracle all`` is the whole catalogue; ``--oracle I1,I3`` (or ``--ids I1,I3``) exactly those.
 
 Exit codes: 0 nothing violated; 1 violations (one line each: id, message, requests and
@@ -20,6 +21,7 @@ import json
 import sys
 from typing import Any
 
+from kvspec.adapters import claims as claimed
 from kvspec.contract.errors import (
     EXIT_BAD_INPUT,
     EXIT_CLEAN,
@@ -29,7 +31,7 @@ from kvspec.contract.errors import (
     SnapshotFormatError,
 )
 from kvspec.contract.snapshot_io import load_snapshot
-from kvspec.oracle import claims as oracles
+from kvspec.oracle import oracles
 from kvspec.oracle.catalogue import CATALOGUE, Violation
 
 NAME = "check-snapshot"
@@ -77,7 +79,7 @@ def _claims_without_engine(policy: str) -> oracles.Oracle:
             cfg.validate()
         except KVSpecError:  # e.g. lazy offload is baseline-only
             continue
-        ids = set(oracles.claims(cfg).ids)
+        ids = set(claimed.claims(cfg).ids)
         common = ids if common is None else common & ids
     ids_t = tuple(i for i in CATALOGUE if common is not None and i in common)
     return oracles.Oracle(f"claims of {policy} (any configuration: no engine section)", ids_t)
@@ -95,7 +97,7 @@ def choose_oracle(snapshot: dict[str, Any], spec: str | None, option: str = "--o
                 cfg = OffloadConfig.from_json(snapshot["engine"]["config"])
             except KVSpecError as exc:  # validation already checks it; kept so that it never crashes
                 raise SnapshotFormatError(f"engine.config: not a valid configuration: {exc}") from None
-            return oracles.resolve(None, cfg)
+            return claimed.resolve(None, cfg)
         return _claims_without_engine(snapshot["scheduler"]["policy"])
     if spec == "all":
         return oracles.Oracle("all", oracles.catalogue_ids())

@@ -5,7 +5,8 @@ ids). A finding is a *violation* (an invariant of the oracle broke) or a *crash*
 target raised something other than a ``KVSpecError``); operations the target rejects
 cleanly are counted, not reported. The unshrunk trace is written as soon as the finding
 is made, the shrunk one when shrinking ends; file names carry target, policy, oracle
-and a content hash, so no run overwrites another's finding.
+and a content hash, so no run overwrites another's finding. Next to each trace is its finding
+page (the same name, ``.html``: ``kvspec.report.html``).
 
 Exit codes: 0 nothing found, 1 a finding, 2 bad arguments, 3 internal error, 130
 interrupted (statistics so far printed, findings kept).
@@ -25,7 +26,8 @@ from kvspec.contract.config import POLICIES
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
 from kvspec.drivers.harness import FuzzResult, check_writable, finding_name, fuzz, save_trace
 from kvspec.drivers.trace import Trace
-from kvspec.oracle import claims as oracles
+from kvspec.oracle import oracles
+from kvspec.report.html import page_for_trace
 
 NAME = "fuzz"
 HELP = "fuzz a target with random engine traces; write each finding as a shrunk trace"
@@ -71,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
     def keep(trace: Trace, stage: str) -> None:
         name = finding_name(args.target, policy, _oracle_label(args.oracle), trace, stage)
         saved[stage] = save_trace(trace, args.out, name)
+        page = page_for_trace(trace, saved[stage], factory)
         if not args.json:
-            print(f"\n{stage} finding written: {saved[stage]}", file=sys.stderr)
+            print(f"\n{stage} finding written: {saved[stage]} (page: {page})", file=sys.stderr)
 
     def progress(traces: int, ops: int, secs: float) -> None:
         if not args.json and traces % 20 == 0:

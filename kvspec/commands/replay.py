@@ -8,6 +8,12 @@ operation index, and the finding's kind: a *violation* (invariant id and blocks)
 (exception type), a *divergence* from ``--against``, or an *expectation* of the trace not
 met (an operation recorded as accepted is now rejected, or the reverse).
 
+``--explain`` narrates the replay operation by operation in the engine's terms (``kvspec.report``):
+what each operation did, every request's cursor and holes after it, and at the finding the
+invariant's rule and the blocks, keys and positions involved (with ``--json``, the narration is
+the object's ``narration``). ``--html FILE`` writes the same narration as a self-contained page
+with a timeline picture.
+
 Exit codes: 0 no finding, 1 a finding, 2 bad trace or arguments, 3 internal error.
 """
 
@@ -17,11 +23,14 @@ import argparse
 import json
 from typing import Any
 
-from kvspec.adapters.targets import get_factory
+from kvspec.adapters import claims as claimed
+from kvspec.adapters.targets import TargetFactory, get_factory
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, TraceError, echo
 from kvspec.drivers import trace as trace_io
 from kvspec.drivers.harness import Outcome, run_ops
-from kvspec.oracle import claims as oracles
+from kvspec.oracle import oracles
+from kvspec.report.html import write_page
+from kvspec.report.narrate import Narration, Narrator
 
 NAME = "replay"
 HELP = "replay a trace file on a target; report the first finding (op index, invariant or crash) or divergence"
@@ -36,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle", default=None, metavar="claims|all|ID,ID",
                    help="invariants that judge the run (default: the header's recorded oracle, else claims)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--refine", action="store_true",
+                   help="also check refinement (R1) after every accepted operation: each request's step is one "
+                        "the proofs' transitions (kvspec.specs.transitions) admit")
+    p.add_argument("--explain", action="store_true",
+                   help="narrate every operation: what it did, cursors and holes after it, the finding's rule")
+    p.add_argument("--html", default=None, metavar="FILE",
+                   help="write the narration and a timeline picture as one self-contained HTML page")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,16 +65,26 @@ def run(args: argparse.Namespace) -> int:
             ids = oracles.parse_ids(",".join(tr.oracle), "the trace header's oracle")
             orc = oracles.Oracle(f"recorded ({','.join(ids)})", ids)
         else:
-            orc = oracles.resolve(args.oracle, tr.config, bug)
-        out = run_ops(tr.config, tr.ops(), factory, orc.ids, reference)
+            orc = claimed.resolve(args.oracle, tr.config, bug)
         recorded = tr.finding
+        if args.explain or args.html is not None:
+            narration = _narrate(args, tr, name, orc, factory, reference)
+            out = narration.outcome
+        else:
+            narration, out = None, run_ops(tr.config, tr.ops(), factory, orc.ids, reference, refine=args.refine)
         if out.input_error:
             raise TraceError(tr.line, f"operation {out.op_index}: {out.expectation}")
     same = _matches(recorded, out)
+    if args.html is not None and narration is not None:
+        try:
+            write_page(narration, args.html)
+        except OSError as exc:
+            raise ConfigError(f"--html {echo(args.html)}: cannot write the page: {exc.strerror or exc}") from None
     if args.json:
+        explained = {"narration": narration.to_json()} if args.explain and narration is not None else {}
         print(json.dumps({"target": name, "against": args.against, "oracle": orc.to_json(),
                           "ops_run": out.ops_run, "failed": out.failed, **out.to_json(),
-                          "recorded_finding": recorded, "reproduces_recorded": same}))
+                          "recorded_finding": recorded, "reproduces_recorded": same, **explained}))
     else:
         print(f"{name} (oracle: {orc.name}): {out.describe()}")
         if recorded is not None:
@@ -66,6 +92,22 @@ def run(args: argparse.Namespace) -> int:
                   f"{recorded.get('invariant') or recorded.get('exception') or ''} at operation "
                   f"{recorded['op_index']}: {'reproduced' if same else 'NOT reproduced'}")
     return EXIT_FINDING if out.failed else EXIT_CLEAN
+
+
+def _narrate(args: argparse.Namespace, tr: trace_io.TraceStream, name: str, orc: oracles.Oracle,
+             factory: TargetFactory, reference: TargetFactory | None) -> Narration:
+    """Run the trace through the narrator; print each story as it is told under ``--explain``
+    (text), keep them all only when a page or JSON needs them (so text streams any length)."""
+    narrator = Narrator(tr.config, factory, orc.ids, reference)
+    keep = args.html is not None or args.json
+    stories = []
+    for story in narrator.stories(tr.ops()):
+        if args.explain and not args.json:
+            print(story.text())
+        if keep:
+            stories.append(story)
+    assert narrator.outcome is not None  # set when the stories are exhausted
+    return Narration(args.trace, name, orc.name, tr.config.to_json(), tr.finding, tuple(stories), narrator.outcome)
 
 
 def header_target(target: str) -> str:

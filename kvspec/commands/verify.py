@@ -17,9 +17,11 @@ import sys
 import time
 from typing import Any, Protocol
 
+from kvspec.adapters.targets import get_factory
 from kvspec.commands.fuzz import budget_seconds
 from kvspec.contract.errors import ConfigError
-from kvspec.drivers.harness import generate, random_config, run_ops
+from kvspec.drivers.harness import default_oracle, generate, run_ops
+from kvspec.drivers.opgen import RandomChoices, random_config
 from kvspec.model import make_scheduler
 
 NAME = "verify"
@@ -53,13 +55,13 @@ def _stage(rows: list[dict[str, Any]], name: str, fn: _Check, quiet: bool) -> No
 
 
 def _campaign(policy: str, factory: Any, reference: Any, budget: float, seed: int) -> tuple[bool, str]:
+    """Random traces (drawn on the model) replayed on ``factory``, against ``reference`` when given,
+    judged by ``policy``'s claims, until ``budget`` seconds are spent or a finding is made."""
     rng = random.Random(seed)
     end = time.monotonic() + budget
     traces = ops = 0
-    from kvspec.drivers.harness import default_oracle
-
     while time.monotonic() < end:
-        cfg = random_config(rng, policy)
+        cfg = random_config(RandomChoices(rng), policy)
         trace_ops, _ = generate(cfg, make_scheduler, rng, 60, ())
         out = run_ops(cfg, trace_ops, factory, default_oracle(cfg), reference)
         traces += 1
@@ -69,55 +71,57 @@ def _campaign(policy: str, factory: Any, reference: Any, budget: float, seed: in
     return True, f"{traces} traces, {ops} operations, no finding (oracle: claims of {policy})"
 
 
+def _proofs() -> tuple[bool | None, str]:
+    from kvspec.specs.obligations import catalogue, run_all
+
+    results = run_all(catalogue(), lambda ob, res: None)
+    bad = [r.name for r in results if not r.ok]
+    return not bad, f"{len(results) - len(bad)}/{len(results)} obligations as expected" + (
+        f"; not: {', '.join(bad)}" if bad else "")
+
+
+def _known_bugs(budget: float) -> tuple[bool, str]:
+    from kvspec.commands.bugs import hunt
+
+    found, _ = hunt(budget, 1, quiet=True)
+    missed = [r["bug"] for r in found if not r["found"]]
+    return not missed, f"{len(found) - len(missed)}/{len(found)} known bugs found as violations" + (
+        f"; missed {', '.join(missed)}" if missed else "")
+
+
+def _vllm(budget: float, seed: int) -> tuple[bool | None, str]:
+    try:
+        factory = get_factory("vllm")
+        importlib.import_module("vllm")
+    except (ConfigError, ImportError) as exc:
+        return None, f"vLLM not installed here ({exc.__class__.__name__})"
+    return _campaign("baseline", factory, make_scheduler, budget, seed)
+
+
+def _impl_factory() -> Any:
+    try:
+        return get_factory("impl")
+    except ConfigError:
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     quiet = args.json
-    def proofs() -> tuple[bool | None, str]:
-        from kvspec.specs.obligations import catalogue, run_all
-
-        results = run_all(catalogue(), lambda ob, res: None)
-        bad = [r.name for r in results if not r.ok]
-        return not bad, f"{len(results) - len(bad)}/{len(results)} obligations as expected" + (
-            f"; not: {', '.join(bad)}" if bad else "")
-
-    _stage(rows, "proofs", proofs, quiet)
+    _stage(rows, "proofs", _proofs, quiet)
     share = args.budget / 3
     for policy in ("baseline", "repair"):
         _stage(rows, f"conformance model/{policy}",
                lambda p=policy: _campaign(p, make_scheduler, None, share / 2, args.seed), quiet)
-    try:
-        from kvspec.adapters.targets import get_factory
-
-        impl = get_factory("impl")
-    except ConfigError:
-        impl = None
+    impl = _impl_factory()
     for policy in ("baseline", "signal-rescan", "repair"):
         if impl is None:
             _stage(rows, f"impl vs model/{policy}", lambda: (None, "kvspec.impl is not available"), quiet)
         else:
             _stage(rows, f"impl vs model/{policy}",
                    lambda p=policy: _campaign(p, impl, make_scheduler, share / 3, args.seed), quiet)
-    from kvspec.commands.bugs import hunt
-
-    def bugs() -> tuple[bool, str]:
-        found, _ = hunt(args.bug_budget, 1, quiet=True)
-        missed = [r["bug"] for r in found if not r["found"]]
-        return not missed, f"{len(found) - len(missed)}/{len(found)} known bugs found as violations" + (
-            f"; missed {', '.join(missed)}" if missed else "")
-
-    _stage(rows, "known-bug catalogue", bugs, quiet)
-
-    def vllm() -> tuple[bool | None, str]:
-        try:
-            from kvspec.adapters.targets import get_factory
-
-            factory = get_factory("vllm")
-            importlib.import_module("vllm")
-        except (ConfigError, ImportError) as exc:
-            return None, f"vLLM not installed here ({exc.__class__.__name__})"
-        return _campaign("baseline", factory, make_scheduler, share, args.seed)
-
-    _stage(rows, "vLLM 0.33.0 vs model/baseline", vllm, quiet)
+    _stage(rows, "known-bug catalogue", lambda: _known_bugs(args.bug_budget), quiet)
+    _stage(rows, "vLLM 0.33.0 vs model/baseline", lambda: _vllm(share, args.seed), quiet)
     failed = any(r["result"] == "FAIL" for r in rows)
     if args.json:
         print(json.dumps({"ok": not failed, "stages": rows}))

@@ -2,27 +2,39 @@
 
 The model, the implementation and the vLLM adapter call these at their entry points, so the
 same bad input gets the same ``KVSpecError`` subclass and the same words from each of them.
+
+Every public entry point checks the *shape* of what it is given before anything else: a wrong
+type or a missing field is an ``InvalidOperationError``, a bad count an ``InvalidCountError``,
+a bad block id, key or group id given to a pool an ``InvalidBlockError``, per-group data of the
+wrong shape a ``GroupCountError``; then the rules that depend on the target's state (a load's
+accepted tokens, a store's keys). Each message quotes a bad value through ``echo`` (bounded),
+so a 5 MB request id never reaches a message whole. The fast paths (one C-level pass over the
+types, then min/max) keep the checks O(input) and cheap on the implementation's hot path.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvspec.contract.errors import (
+    ECHO_LIMIT,
     DoubleFreeError,
     GroupCountError,
     InvalidBlockError,
     InvalidCountError,
     InvalidOperationError,
+    OutOfBlocksError,
     UnknownEventError,
     UnknownRequestError,
     echo,
 )
-from kvspec.contract.types import BlockIds, KVConnectorOutput
+from kvspec.contract.types import BlockIds
 
-# -- input checks shared by every target -----------------------------------------------------
+NULL_BLOCK_ID = 0  # block 0 of every pool: the placeholder no request owns
+
+# -- counts ------------------------------------------------------------------------------------
 
 
 def check_count(value: object, what: str, upper: int | None = None) -> int:
@@ -35,16 +47,6 @@ def check_count(value: object, what: str, upper: int | None = None) -> int:
     return value
 
 
-def check_pool_ids(ids: Sequence[object], num_blocks: int, pool: str, what: str, allow_null: bool = False) -> None:
-    """Block ids for a pool operation: ints in ``0..num_blocks-1``; the null block 0 only when
-    ``allow_null`` (vLLM skips it in touch/free; every caller in the modelled system filters it)."""
-    for b in ids:
-        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:
-            raise InvalidBlockError(f"{pool}: cannot {what} block {echo(b)}: ids are 0..{num_blocks - 1}")
-        if b == 0 and not allow_null:
-            raise InvalidBlockError(f"{pool}: cannot {what} the null block 0")
-
-
 def check_free_counts(ids: Sequence[int], ref_cnt: Callable[[int], int], pool: str) -> None:
     """No block freed more often than it is referenced (vLLM would leave a negative ref count)."""
     for b, times in Counter(ids).items():
@@ -53,46 +55,13 @@ def check_free_counts(ids: Sequence[int], ref_cnt: Callable[[int], int], pool: s
             raise DoubleFreeError(f"{pool}: block {b} freed {times} time(s) with ref count {ref}")
 
 
-def check_connector_output(out: KVConnectorOutput, load_sent: Callable[[str], bool | None],
-                           store_event_counter: int, world_size: int) -> None:
-    """Worker reports: each ``finished_recving`` names a request whose load was sent
-    (``load_sent`` returns None when it has no load); each store event was issued and
-    its count is 1..world_size."""
-    for rid in out.finished_recving:
-        sent = load_sent(rid)
-        if sent is None:
-            raise UnknownRequestError(f"finished_recving names {echo(rid)}, which has no load")
-        if not sent:
-            raise InvalidOperationError(f"finished_recving names {echo(rid)}, whose load was never sent")
-    for e, c in out.completed_store_events.items():
-        if not isinstance(e, int) or isinstance(e, bool) or not 0 <= e < store_event_counter:
-            raise UnknownEventError(f"store event {echo(e)} was never issued")
-        check_count(c, f"worker count for store event {e}", world_size)
-        if c == 0:
-            raise InvalidOperationError(f"worker count for store event {e} is 0")
-
-
-# -- entry-point checks with bounded messages (issue 11) ---------------------------------------
-#
-# Every public entry point of the model and the implementation checks the *shape* of what it is
-# given with these functions before anything else, so both raise the same ``KVSpecError``
-# subclass for the same bad input: a wrong type or a missing field is an
-# ``InvalidOperationError``, a bad count an ``InvalidCountError``, a bad block id, key or group
-# id given to a pool an ``InvalidBlockError``, per-group data of the wrong shape a
-# ``GroupCountError``. Each message quotes a bad value through ``echo`` (bounded), so a 5 MB
-# request id never reaches a message whole. The fast paths (one C-level pass over the types,
-# then min/max) keep the checks O(input) and cheap on the implementation's hot path.
-
-from collections.abc import Iterable as _Iterable  # noqa: E402  (kept with the checks that use it)
-from collections.abc import Mapping as _Mapping  # noqa: E402
-
-from kvspec.contract.errors import ECHO_LIMIT, OutOfBlocksError  # noqa: E402
+# -- entry-point shapes ------------------------------------------------------------------------
 
 _MISSING = object()
 _ID_COLLECTIONS = (set, frozenset, list, tuple)
 
 
-def _all_str(items: _Iterable[object]) -> bool:
+def _all_str(items: Iterable[object]) -> bool:
     """Every item a str: one C-level pass (``str.join`` refuses anything else)."""
     try:
         "".join(items)  # type: ignore[arg-type]  # any objects on purpose: the TypeError is the test
@@ -198,28 +167,11 @@ def check_scheduler_output(out: object, num_groups: int, num_blocks: int) -> int
     counts = _field(out, "num_scheduled_tokens", what, so)
     preempted = _field(out, "preempted_req_ids", what, so)
     finished = _field(out, "finished_req_ids", what, so)
-    if not isinstance(new, list):
-        raise InvalidOperationError(f"scheduled_new_reqs must be a list of NewRequestData, got {echo(new)}")
-    tables: list[tuple[str, Any]] = []
-    for i, nr in enumerate(new):
-        rid = _field(nr, "req_id", f"scheduled_new_reqs[{i}]", "a NewRequestData")
-        ids = _field(nr, "block_ids", f"scheduled_new_reqs[{i}]", "a NewRequestData")
-        if not isinstance(rid, str):
-            raise InvalidOperationError(f"scheduled_new_reqs[{i}].req_id must be a str, got {echo(rid)}")
-        tables.append((rid, ids))
-    crd = "a CachedRequestData"
-    req_ids = _field(cr, "req_ids", "scheduled_cached_reqs", crd)
-    new_ids = _field(cr, "new_block_ids", "scheduled_cached_reqs", crd)
-    resumed = _field(cr, "resumed_req_ids", "scheduled_cached_reqs", crd)
-    if not isinstance(req_ids, list):
-        raise InvalidOperationError(f"scheduled_cached_reqs.req_ids must be a list of str, got {echo(req_ids)}")
-    check_request_ids(req_ids, "scheduled_cached_reqs.req_ids")
-    if not isinstance(new_ids, list):
-        raise InvalidOperationError(f"scheduled_cached_reqs.new_block_ids must be a list, got {echo(new_ids)}")
-    check_request_ids(resumed, "scheduled_cached_reqs.resumed_req_ids")
+    tables = _new_request_tables(new)
+    req_ids, new_ids = _cached_request_fields(cr)
     check_request_ids(preempted, "preempted_req_ids")
     check_request_ids(finished, "finished_req_ids")
-    if not isinstance(counts, _Mapping):
+    if not isinstance(counts, Mapping):
         raise InvalidOperationError(f"num_scheduled_tokens must be a dict request id -> tokens, got {echo(counts)}")
     if counts and not _all_str(counts):
         bad = next(r for r in counts if not isinstance(r, str))
@@ -230,12 +182,54 @@ def check_scheduler_output(out: object, num_groups: int, num_blocks: int) -> int
     if new_ids.count(None) != len(new_ids):
         tables += [(r, ids) for r, ids in zip(req_ids, new_ids, strict=True) if ids is not None]
     for rid, ids in tables:
-        if (isinstance(ids, (tuple, list)) and len(ids) == num_groups
-                and all(g is None or isinstance(g, (list, tuple)) for g in ids)):
-            flat = [b for g in ids if g is not None for b in g]
-            if not flat or (set(map(type, flat)) == {int} and min(flat) >= 0 and max(flat) < num_blocks):
-                continue
-        check_block_ids(ids, num_groups, num_blocks, f"scheduler output for {name_of(rid)}")
+        _check_output_table(rid, ids, num_groups, num_blocks)
+    return _smallest_count(counts)
+
+
+def _new_request_tables(new: object) -> list[tuple[str, Any]]:
+    """``scheduled_new_reqs``: a list of records with a str ``req_id``; their (id, table) pairs."""
+    if not isinstance(new, list):
+        raise InvalidOperationError(f"scheduled_new_reqs must be a list of NewRequestData, got {echo(new)}")
+    tables: list[tuple[str, Any]] = []
+    for i, nr in enumerate(new):
+        rid = _field(nr, "req_id", f"scheduled_new_reqs[{i}]", "a NewRequestData")
+        ids = _field(nr, "block_ids", f"scheduled_new_reqs[{i}]", "a NewRequestData")
+        if not isinstance(rid, str):
+            raise InvalidOperationError(f"scheduled_new_reqs[{i}].req_id must be a str, got {echo(rid)}")
+        tables.append((rid, ids))
+    return tables
+
+
+def _cached_request_fields(cr: object) -> tuple[list[str], list[Any]]:
+    """``scheduled_cached_reqs``: ``req_ids`` a list of str, ``new_block_ids`` a list and
+    ``resumed_req_ids`` request ids; returns (``req_ids``, ``new_block_ids``)."""
+    crd = "a CachedRequestData"
+    req_ids = _field(cr, "req_ids", "scheduled_cached_reqs", crd)
+    new_ids = _field(cr, "new_block_ids", "scheduled_cached_reqs", crd)
+    resumed = _field(cr, "resumed_req_ids", "scheduled_cached_reqs", crd)
+    if not isinstance(req_ids, list):
+        raise InvalidOperationError(f"scheduled_cached_reqs.req_ids must be a list of str, got {echo(req_ids)}")
+    check_request_ids(req_ids, "scheduled_cached_reqs.req_ids")
+    if not isinstance(new_ids, list):
+        raise InvalidOperationError(f"scheduled_cached_reqs.new_block_ids must be a list, got {echo(new_ids)}")
+    check_request_ids(resumed, "scheduled_cached_reqs.resumed_req_ids")
+    return req_ids, new_ids
+
+
+def _check_output_table(rid: str, ids: Any, num_groups: int, num_blocks: int) -> None:
+    """One block table of a scheduler output (groups may be None): one C-level pass over the
+    ids when the shape is right, else ``check_block_ids`` for the exact message."""
+    if (isinstance(ids, (tuple, list)) and len(ids) == num_groups
+            and all(g is None or isinstance(g, (list, tuple)) for g in ids)):
+        flat = [b for g in ids if g is not None for b in g]
+        if not flat or (set(map(type, flat)) == {int} and min(flat) >= 0 and max(flat) < num_blocks):
+            return
+    check_block_ids(ids, num_groups, num_blocks, f"scheduler output for {name_of(rid)}")
+
+
+def _smallest_count(counts: Mapping[str, Any]) -> int:
+    """The smallest ``num_scheduled_tokens`` value (0 when there is none); every value must be a
+    non-negative int (``InvalidCountError`` naming the request)."""
     if not counts:
         return 0
     values = counts.values()
@@ -251,7 +245,7 @@ def check_scheduler_output(out: object, num_groups: int, num_blocks: int) -> int
 
 def check_worker_output(out: object, load_sent: Callable[[str], bool | None], store_event_counter: int,
                         world_size: int) -> None:
-    """``check_connector_output`` with the shapes checked first and bounded messages:
+    """Worker reports (``update_connector_output``), shapes first, bounded messages:
     ``finished_recving`` a set (or list) of request ids, each naming a request whose load was
     sent; ``completed_store_events`` a dict int event id -> worker count, each event issued, each
     count in 1..world_size."""
@@ -259,7 +253,7 @@ def check_worker_output(out: object, load_sent: Callable[[str], bool | None], st
     recving = _field(out, "finished_recving", what, "a KVConnectorOutput")
     events = _field(out, "completed_store_events", what, "a KVConnectorOutput")
     check_request_ids(recving, "finished_recving")
-    if not isinstance(events, _Mapping):
+    if not isinstance(events, Mapping):
         raise InvalidOperationError(f"completed_store_events must be a dict event id -> worker count, "
                                     f"got {echo(events)}")
     for e in events:
@@ -279,21 +273,74 @@ def check_worker_output(out: object, load_sent: Callable[[str], bool | None], st
             raise InvalidOperationError(f"worker count for store event {e} is 0")
 
 
-# -- pool-face checks (the model's BlockPool, the implementation's TensorBlockPool) -------------
+# -- rules that read the target's state -------------------------------------------------------
+
+
+def check_load_acceptance(rid: str, num_external_tokens: int, block_size: int, hit_len: int,
+                          load_registered: bool) -> None:
+    """``update_state_after_alloc`` accepting ``num_external_tokens`` of a pinned CPU hit of
+    ``hit_len`` tokens: a multiple of the block size, at most the hit, and no load registered
+    for the request yet. ``InvalidOperationError``. O(1)."""
+    who = name_of(rid)
+    if num_external_tokens % block_size:
+        raise InvalidOperationError(
+            f"{who}: num_external_tokens {num_external_tokens} is not a multiple of the block size {block_size}")
+    if num_external_tokens > hit_len:
+        raise InvalidOperationError(f"{who}: accepted {num_external_tokens} external tokens of a {hit_len}-token hit")
+    if load_registered:
+        raise InvalidOperationError(f"{who}: a load is already registered")
+
+
+def check_load_block(rid: str, group: int, position: int, table: Sequence[int]) -> int:
+    """The GPU block a load copies position ``position`` of group ``group`` into: the request's
+    table must have a block there, and not the null block. Returns its id.
+    ``InvalidOperationError``. O(1)."""
+    if position >= len(table) or table[position] == NULL_BLOCK_ID:
+        raise InvalidOperationError(
+            f"{name_of(rid)}: group {group} has no allocated GPU block at position {position} for the load")
+    return table[position]
+
+
+def check_store_keys(event: int, gpu_ids: Iterable[int], block_hash: Callable[[int], object]) -> None:
+    """A store event about to complete: every GPU block it copied still carries its key
+    (``block_hash(id)`` is not None), as vLLM asserts before it registers the CPU copies.
+    ``InvalidOperationError``. O(blocks)."""
+    for g in gpu_ids:
+        if block_hash(g) is None:
+            raise InvalidOperationError(f"store event {event}: GPU block {g} lost its hash before completion")
+
+
+def check_key_change(pool: str, block_id: int, current: str | None, new: str) -> bool:
+    """Registering the key text ``new`` (``"<hash>:<group>"``) on ``block_id``, which carries
+    ``current``: True when it already carries ``new`` (nothing to do), False when it carries no
+    key; a different key is an ``InvalidBlockError`` (the modelled configurations have no
+    secondary keys). O(1)."""
+    if current is None:
+        return False
+    if current == new:
+        return True
+    raise InvalidBlockError(f"{pool}: block {block_id} already cached as {name_of(current)}, "
+                            f"cannot also register {name_of(new)}")
+
+
+# -- pool-face checks (every GPU and CPU pool: model, implementation, vLLM adapter) ------------
 
 
 def check_id_list(block_ids: object, num_blocks: int, pool: str, what: str, allow_null: bool = False) -> list[int]:
-    """``check_pool_ids`` for any iterable of block ids (not a string or a mapping), returned as a
-    list; bounded messages. ``InvalidBlockError``. O(len)."""
-    if isinstance(block_ids, (str, bytes, _Mapping)) or not isinstance(block_ids, _Iterable):
+    """Block ids for a pool operation (touch, free, evict, register): any iterable of block ids
+    (not a string or a mapping), returned as a list, every id an int in ``0..num_blocks-1``; the
+    null block 0 only when ``allow_null`` (vLLM skips it in touch/free; every caller in the
+    modelled system filters it). Bounded messages. ``InvalidBlockError``. O(len)."""
+    if isinstance(block_ids, (str, bytes, Mapping)) or not isinstance(block_ids, Iterable):
         raise InvalidBlockError(f"{pool}: cannot {what} {echo(block_ids)}: expected an iterable of block ids")
     ids = list(block_ids)
-    if ids and set(map(type, ids)) == {int} and min(ids) >= (0 if allow_null else 1) and max(ids) < num_blocks:
+    lowest = NULL_BLOCK_ID if allow_null else NULL_BLOCK_ID + 1
+    if ids and set(map(type, ids)) == {int} and min(ids) >= lowest and max(ids) < num_blocks:
         return ids
     for b in ids:
         if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:
             raise InvalidBlockError(f"{pool}: cannot {what} block {echo(b)}: ids are 0..{num_blocks - 1}")
-        if b == 0 and not allow_null:
+        if b == NULL_BLOCK_ID and not allow_null:
             raise InvalidBlockError(f"{pool}: cannot {what} the null block 0")
     return ids
 

@@ -9,7 +9,7 @@ it was (tests/test_errors.py proves it for every kind of bad input).
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvspec.contract.snapshot_io import FormatIssue
+    from kvspec.contract.schema_check import FormatIssue
 
 
 class KVSpecError(Exception):

@@ -71,7 +71,7 @@ POLICY_REGISTRY: dict[str, PolicyEntry] = {
     e.name: e
     for e in (
         PolicyEntry("baseline", "vLLM 0.33.0 as it ships (the FIXME: an entry evicted below a cursor is never "
-                    "stored again)", "kvspec.model.scheduler:BaselinePolicy", "kvspec.impl.policies:BaselinePolicy"),
+                    "stored again)", "kvspec.model.baseline:BaselinePolicy", "kvspec.impl.policies:BaselinePolicy"),
         PolicyEntry("signal-rescan", "PR #47235 as described: a pool-wide eviction flag triggers a rescan "
                     "below each cursor", "kvspec.model.signal_rescan:SignalRescanPolicy",
                     "kvspec.impl.policies:SignalRescanPolicy"),

@@ -10,12 +10,18 @@ Every operation has exactly one of three outcomes, never confused:
 * **crashed**: any other exception inside the engine or the target. A finding of its own
   kind, shrunk and saved like a violation, reported with the exception type.
 
-With a reference target the two runs must also agree (a *divergence*); a trace whose
-operation carries ``"expect": "error"`` must be rejected cleanly (else an *expectation*
-finding). ``run_ops`` is the loop; ``fuzz`` draws state-aware operations
-(``kvspec.drivers.opgen``), shrinks a finding by delta debugging and hands the unshrunk and the
-shrunk trace to ``on_finding`` as they exist, so an interrupt loses nothing;
-``make_state_machine`` is the Hypothesis ``RuleBasedStateMachine`` over the same engine.
+With a reference target the two runs must also agree on every operation (accepted by both
+with equal results, or rejected by both with the same ``KVSpecError`` subclass) and on the
+snapshot after it, key order included (a *divergence*); a trace whose operation carries
+``"expect": "error"`` must be rejected cleanly (else an *expectation* finding).
+
+``Run`` is the one place where an operation meets a target: ``run_ops`` and ``replay`` feed it
+recorded operations; ``generate`` feeds it operations drawn by ``kvspec.drivers.opgen``, for
+the fuzzer (``fuzz``, which shrinks a finding by delta debugging and hands the unshrunk and
+the shrunk trace to ``on_finding`` as they exist, so an interrupt loses nothing), for the
+trace generator (``kvspec.drivers.tracegen``) and for ``fuzz_with_invariants`` (real vLLM,
+the invariant catalogue as the only oracle); ``make_state_machine`` is the Hypothesis
+``RuleBasedStateMachine`` whose rules draw from the same generator and apply through ``Run``.
 """
 
 from __future__ import annotations
@@ -24,26 +30,36 @@ import hashlib
 import os
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from kvspec.adapters import claims as claimed
 from kvspec.adapters.targets import TargetFactory
-from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import KVSpecError
 from kvspec.drivers.engine import Engine
-from kvspec.drivers.opgen import next_op, random_config_kwargs
+from kvspec.drivers.opgen import (
+    FUZZ_MIX,
+    HypothesisChoices,
+    OpGenerator,
+    OpMix,
+    RandomChoices,
+    kind_weights,
+    random_config,
+)
 from kvspec.drivers.trace import Trace
-from kvspec.oracle import claims as oracles
+from kvspec.oracle import oracles
 from kvspec.oracle.catalogue import Violation, check, covered_keys, owned_below_cursor
 
 VIOLATION, CRASH, DIVERGENCE, EXPECTATION = "violation", "crash", "divergence", "expectation"
+MESSAGE_LIMIT = 500  # characters of a crash or divergence text
 
 
 def default_oracle(config: OffloadConfig) -> tuple[str, ...]:
-    """The invariants the configured model policy claims (``kvspec.oracle.claims``)."""
-    return oracles.claims(config).ids
+    """The invariants the configured model policy claims (``kvspec.adapters.claims``)."""
+    return claimed.claims(config).ids
 
 
 # -- outcomes -------------------------------------------------------------------------------
@@ -115,13 +131,15 @@ class Outcome:
 
 
 class RarePaths:
-    """Counts the rare paths a run reached (the statistics the ci profile must show)."""
+    """Counts the rare paths a run reached (the statistics the ci profile must show); ``on_hit``,
+    when given, is told each one as it is reached (the state machine's Hypothesis ``event``)."""
 
     NAMES = ("eviction under a live cursor", "re-store", "CPU out of space", "abandoned transfer",
              "duplicate key across requests")
 
-    def __init__(self) -> None:
+    def __init__(self, on_hit: Callable[[str], object] | None = None) -> None:
         self.counts = dict.fromkeys(self.NAMES, 0)
+        self.on_hit = on_hit
         self._ever_cached: set[str] = set()
 
     def observe(self, before: dict[str, Any], after: dict[str, Any], op: dict[str, Any]) -> list[str]:
@@ -149,19 +167,33 @@ class RarePaths:
             hit.append("duplicate key across requests")
         for name in hit:
             self.counts[name] += 1
+            if self.on_hit is not None:
+                self.on_hit(name)
         return hit
 
 
 # -- the run loop ---------------------------------------------------------------------------
 
 
+@dataclass
+class _Applied:
+    """What one engine did with one operation: its result, or the ``KVSpecError`` it raised."""
+
+    result: Any = None
+    rejected: KVSpecError | None = None
+
+
 class Run:
     """One engine on ``factory(config)`` (and one on the reference, if any), fed one operation at a
-    time; ``apply`` returns the finding an operation produced, or None."""
+    time; ``apply`` returns the finding an operation produced, or None. ``index`` counts the
+    operations applied, ``rejected`` those rejected cleanly."""
 
     def __init__(self, config: OffloadConfig, factory: TargetFactory, oracle: Iterable[str],
-                 reference: TargetFactory | None = None, rare: RarePaths | None = None) -> None:
+                 reference: TargetFactory | None = None, rare: RarePaths | None = None,
+                 refine: bool = False) -> None:
+        self.config = config
         self.ids = tuple(oracle)
+        self.refine = refine and not config.lazy_offload  # lazy offload keeps no store state to refine
         self.engine = Engine(factory(config))
         self.ref = Engine(reference(config)) if reference is not None else None
         self.rare = rare
@@ -169,74 +201,118 @@ class Run:
         self.rejected = 0
         self._snapshot: dict[str, Any] | None = None  # the engine's snapshot after the last operation
 
+    @property
+    def snapshot(self) -> dict[str, Any]:
+        """The engine's snapshot now (taken once per operation, then kept)."""
+        if self._snapshot is None:
+            self._snapshot = self.engine.snapshot()
+        return self._snapshot
+
     def apply(self, op: dict[str, Any], recorded: bool = True) -> Outcome | None:
-        """Run ``op``. ``recorded``: the operation comes from a trace, so its ``expect`` must hold
-        (accepted unless ``"expect": "error"``); a generated operation may be rejected freely.
-        Returns the finding, or None (accepted and judged clean, or rejected cleanly)."""
+        """Run ``op``. ``recorded``: the operation comes from a trace (or must behave as one), so its
+        ``expect`` must hold (accepted unless ``"expect": "error"``); a generated operation may be
+        rejected freely. Returns the finding, or None (accepted and judged clean, or rejected
+        cleanly). O(snapshot) per operation, twice that with a reference."""
         i, self.index = self.index, self.index + 1
         name = str(op.get("op"))
-        expect_error = op.get("expect") == "error"
         clean = {k: v for k, v in op.items() if k != "expect"}
-        before = self._snapshot if self._snapshot is not None else self.engine.snapshot()
+        before = self.snapshot
         self._snapshot = None
         try:
-            self.engine.apply(clean)
-            rejected: KVSpecError | None = None
-        except KVSpecError as exc:
-            rejected = exc
-        except Exception as exc:  # anything else inside the engine or the target is a crash
+            done = _apply(self.engine, clean)
+        except Exception as exc:  # anything but a KVSpecError inside the engine or the target is a crash
             return self._crash(i, name, exc)
-        if rejected is not None:
+        if done.rejected is not None:
             if self.engine.snapshot() != before:
-                return self._crash(i, name, rejected, "its rejection changed the state")
+                return self._crash(i, name, done.rejected, "its rejection changed the state")
             self.rejected += 1
             self._snapshot = before
-        if recorded and expect_error and rejected is None:
-            return Outcome(i + 1, op_index=i, op_name=name, rejected=self.rejected,
-                           expectation=f"{name} was expected to be rejected, and was accepted")
-        if recorded and not expect_error and rejected is not None:
-            by_target = _raised_in(rejected, (self.engine.target, self.engine.gpu))
-            why = "the target rejected it" if by_target else "the engine rejected it (bad input in the trace)"
-            return Outcome(i + 1, op_index=i, op_name=name, rejected=self.rejected, input_error=not by_target,
-                           expectation=f"{name} is recorded as accepted (no \"expect\": \"error\"), but {why}: "
-                           f"{type(rejected).__name__}: {rejected}")
-        if self.ref is not None:
-            found = self._compare(i, name, clean, rejected)
-            if found is not None:
-                return found
-        if rejected is not None:
-            return None
-        snap = self._snapshot = self.engine.snapshot()
-        if self.rare is not None:
-            self.rare.observe(before, snap, clean)
-        violations = check(snap, self.ids)
-        if violations:
-            return Outcome(i + 1, violation=violations[0], op_index=i, op_name=name, rejected=self.rejected)
-        return None
+        found = self._expectation(i, name, op, done.rejected) if recorded else None
+        if found is None and self.ref is not None:
+            found = self._compare(i, name, clean, done)
+        if found is not None or done.rejected is not None:
+            return found
+        return self._judge(i, name, before, clean)
+
+    def _found(self, i: int, name: str, **what: Any) -> Outcome:
+        return Outcome(i + 1, op_index=i, op_name=name, rejected=self.rejected, **what)
 
     def _crash(self, i: int, name: str, exc: BaseException, why: str = "") -> Outcome:
         text = f"{name}: {type(exc).__name__}: {exc}" + (f" ({why})" if why else "")
-        return Outcome(i + 1, op_index=i, op_name=name, crash=text[:500], exception=type(exc).__name__,
-                       rejected=self.rejected)
+        return self._found(i, name, crash=text[:MESSAGE_LIMIT], exception=type(exc).__name__)
 
-    def _compare(self, i: int, name: str, op: dict[str, Any], rejected: KVSpecError | None) -> Outcome | None:
+    def _expectation(self, i: int, name: str, op: dict[str, Any], rejected: KVSpecError | None) -> Outcome | None:
+        """A recorded operation did what its ``expect`` says (rejected for "error", else accepted)."""
+        expect_error = op.get("expect") == "error"
+        if expect_error and rejected is None:
+            return self._found(i, name, expectation=f"{name} was expected to be rejected, and was accepted")
+        if expect_error or rejected is None:
+            return None
+        by_target = _raised_in(rejected, (self.engine.target, self.engine.gpu))
+        why = "the target rejected it" if by_target else "the engine rejected it (bad input in the trace)"
+        return self._found(i, name, input_error=not by_target,
+                           expectation=f"{name} is recorded as accepted (no \"expect\": \"error\"), but {why}: "
+                           f"{type(rejected).__name__}: {rejected}")
+
+    def _compare(self, i: int, name: str, op: dict[str, Any], done: _Applied) -> Outcome | None:
+        """The reference runs ``op`` too: same outcome (result, or rejection class), same snapshot."""
         assert self.ref is not None
         try:
-            self.ref.apply(op)
-            ref_rejected = False
-        except KVSpecError:
-            ref_rejected = True
+            ref = _apply(self.ref, op)
         except Exception as exc:
-            return Outcome(i + 1, op_index=i, op_name=name, rejected=self.rejected,
-                           divergence=f"{name}: the reference crashed: {type(exc).__name__}: {exc}"[:500])
-        if ref_rejected != (rejected is not None):
-            return Outcome(i + 1, op_index=i, op_name=name, rejected=self.rejected,
-                           divergence=f"{name}: target {'rejected' if rejected else 'accepted'} it, reference "
-                           f"{'rejected' if ref_rejected else 'accepted'} it")
-        diff = first_difference(self.ref.snapshot(), self.engine.snapshot())
-        if diff is not None:
-            return Outcome(i + 1, op_index=i, op_name=name, divergence=diff, rejected=self.rejected)
+            return self._found(i, name, divergence=f"{name}: the reference crashed: "
+                               f"{type(exc).__name__}: {exc}"[:MESSAGE_LIMIT])
+        diff = _outcome_difference(name, ref, done)
+        if diff is None:
+            diff = first_difference(self.ref.snapshot(), self.snapshot)
+        return None if diff is None else self._found(i, name, divergence=diff[:MESSAGE_LIMIT])
+
+    def _judge(self, i: int, name: str, before: dict[str, Any], op: dict[str, Any]) -> Outcome | None:
+        """The oracle on the snapshot after an accepted operation (and the rare paths it reached)."""
+        snap = self.snapshot
+        if self.rare is not None:
+            self.rare.observe(before, snap, op)
+        violations = check(snap, self.ids)
+        if not violations and self.refine:
+            violations = _refinement(before, snap, op, self.config, i)
+        return self._found(i, name, violation=violations[0]) if violations else None
+
+
+def _refinement(before: dict[str, Any], after: dict[str, Any], op: dict[str, Any], config: OffloadConfig,
+                i: int) -> list[Violation]:
+    """Refinement (``kvspec.specs.refinement``, id R1): every request's (before, after) pair is
+    admitted by the proved transitions of ``specs/transitions.py``. The first rejection, as a
+    violation, or none."""
+    from kvspec.specs.refinement import REFINEMENT_ID, refinement_check
+
+    verdict = refinement_check(before, after, op, config, i)
+    if verdict.ok:
+        return []
+    first = verdict.rejections[0]
+    return [Violation(REFINEMENT_ID, str(first)[:MESSAGE_LIMIT], requests=(first.rid,))]
+
+
+def _apply(engine: Engine, op: dict[str, Any]) -> _Applied:
+    """``engine.apply(op)``: its result, or the ``KVSpecError`` it raised (anything else propagates)."""
+    try:
+        return _Applied(result=engine.apply(op))
+    except KVSpecError as exc:
+        return _Applied(rejected=exc)
+
+
+def _outcome_difference(name: str, ref: _Applied, got: _Applied) -> str | None:
+    """How the target's outcome of one operation differs from the reference's, or None."""
+    if (ref.rejected is None) != (got.rejected is None):
+        return (f"{name}: target {'rejected' if got.rejected else 'accepted'} it, reference "
+                f"{'rejected' if ref.rejected else 'accepted'} it")
+    if ref.rejected is not None and got.rejected is not None:
+        if type(ref.rejected) is not type(got.rejected):
+            return (f"{name}: target raised {type(got.rejected).__name__}, reference raised "
+                    f"{type(ref.rejected).__name__}")
         return None
+    if ref.result != got.result:
+        return f"{name}: results differ: reference {ref.result!r} != target {got.result!r}"
+    return None
 
 
 def _raised_in(exc: BaseException, objects: tuple[object, ...]) -> bool:
@@ -252,23 +328,26 @@ def _raised_in(exc: BaseException, objects: tuple[object, ...]) -> bool:
 
 
 def start_run(config: OffloadConfig, factory: TargetFactory, oracle: Iterable[str],
-              reference: TargetFactory | None = None, rare: RarePaths | None = None) -> Run | Outcome:
+              reference: TargetFactory | None = None, rare: RarePaths | None = None,
+              refine: bool = False) -> Run | Outcome:
     """A ``Run``, or the crash of building the target (a finding at no operation)."""
     try:
-        return Run(config, factory, oracle, reference, rare)
+        return Run(config, factory, oracle, reference, rare, refine)
     except KVSpecError:
         raise
     except Exception as exc:
-        return Outcome(0, crash=f"building the target: {type(exc).__name__}: {exc}"[:500],
+        return Outcome(0, crash=f"building the target: {type(exc).__name__}: {exc}"[:MESSAGE_LIMIT],
                        exception=type(exc).__name__, op_name="(setup)")
 
 
 def run_ops(config: OffloadConfig, ops: Iterable[dict[str, Any]], factory: TargetFactory,
             oracle: Iterable[str] | None = None, reference: TargetFactory | None = None,
-            rare: RarePaths | None = None) -> Outcome:
+            rare: RarePaths | None = None, refine: bool = False) -> Outcome:
     """Apply recorded ``ops`` to a fresh engine on ``factory(config)``; stop at the first finding.
-    ``oracle`` defaults to the claims of ``config.policy``. ``ops`` may be a stream."""
-    run = start_run(config, factory, oracle if oracle is not None else default_oracle(config), reference, rare)
+    ``oracle`` defaults to the claims of ``config.policy``; ``refine`` adds the refinement check
+    (R1) after every accepted operation. ``ops`` may be a stream."""
+    run = start_run(config, factory, oracle if oracle is not None else default_oracle(config), reference, rare,
+                    refine)
     if isinstance(run, Outcome):
         return run
     for op in ops:
@@ -279,7 +358,9 @@ def run_ops(config: OffloadConfig, ops: Iterable[dict[str, Any]], factory: Targe
 
 
 def first_difference(want: Any, got: Any, path: str = "") -> str | None:
-    """Where two snapshots first differ, as ``path: want != got``."""
+    """Where two snapshots first differ, as ``path: want != got``, or None when they are equal down
+    to what their JSON text shows: the same keys in the same order, lists of the same length, and
+    leaves of the same type and value. O(size of the snapshots)."""
     if isinstance(want, dict) and isinstance(got, dict):
         for k in list(want) + [k for k in got if k not in want]:
             if k not in want or k not in got:
@@ -287,6 +368,8 @@ def first_difference(want: Any, got: Any, path: str = "") -> str | None:
             d = first_difference(want[k], got[k], f"{path}.{k}")
             if d is not None:
                 return d
+        if list(want) != list(got):
+            return f"{path or '(root)'}: keys in a different order: reference {list(want)!r} != target {list(got)!r}"
         return None
     if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
         for i, (a, b) in enumerate(zip(want, got, strict=True)):
@@ -294,45 +377,46 @@ def first_difference(want: Any, got: Any, path: str = "") -> str | None:
             if d is not None:
                 return d
         return None
-    return None if want == got else f"{path}: reference {want!r} != target {got!r}"
+    return None if type(want) is type(got) and want == got else f"{path}: reference {want!r} != target {got!r}"
 
 
 def replay(trace: Trace, factory: TargetFactory, oracle: Iterable[str] | None = None,
-           reference: TargetFactory | None = None) -> Outcome:
-    return run_ops(trace.config, trace.ops, factory, oracle, reference)
+           reference: TargetFactory | None = None, refine: bool = False) -> Outcome:
+    return run_ops(trace.config, trace.ops, factory, oracle, reference, refine=refine)
 
 
-# -- the fuzzer -----------------------------------------------------------------------------
-
-
-def random_config(rng: random.Random, policy: str, lazy: bool = False) -> OffloadConfig:
-    groups: tuple[KVGroup, ...] = (KVGroup(),)
-    if rng.random() < 0.3:
-        groups = (KVGroup(), KVGroup("sliding", sliding_window=rng.choice([16, 32, 48])))
-    return OffloadConfig(block_size=16, groups=groups, policy=policy, lazy_offload=lazy,
-                         **random_config_kwargs(rng))
+# -- generated operations -------------------------------------------------------------------
 
 
 def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, n_ops: int,
-             oracle: Iterable[str], rare: RarePaths | None = None) -> tuple[list[dict[str, Any]], Outcome]:
-    """Draw up to ``n_ops`` state-aware operations on a fresh target; stop at the first finding.
-    Operations the target rejects cleanly change nothing, so they are counted and left out of the
-    returned list (the list replays to the same states)."""
+             oracle: Iterable[str], rare: RarePaths | None = None, *, mix: OpMix = FUZZ_MIX,
+             strict: bool = False) -> tuple[list[dict[str, Any]], Outcome]:
+    """Draw up to ``n_ops`` state-aware operations of ``mix`` (``OpGenerator`` on ``rng``) on a
+    fresh target; stop at the first finding (the finding's operation is the list's last). The
+    invalid ones (``mix.invalid_rate``) carry ``"expect": "error"``.
+
+    ``strict`` False (the fuzzer): operations the target rejects cleanly change nothing, so they
+    are counted and left out of the returned list (the list replays to the same states).
+    ``strict`` True: every operation is kept and must do what it says (accepted, or rejected for
+    ``"expect": "error"``), as in a recorded trace; anything else is an expectation finding."""
     run = start_run(config, factory, oracle, None, rare)
     if isinstance(run, Outcome):
         return [], run
+    gen = OpGenerator(config, RandomChoices(rng), mix)
     ops: list[dict[str, Any]] = []
-    for _ in range(n_ops):
-        op = next_op(run.engine, rng)
+    while run.index < n_ops:
+        op = gen.next_op(run.engine)
         seen = run.rejected
-        found = run.apply(op, recorded=False)
-        if found is not None:
+        found = run.apply(op, recorded=strict)
+        if found is not None or strict or run.rejected == seen:
             ops.append(op)
+        if found is not None:
             found.op_index = len(ops) - 1
             return ops, found
-        if run.rejected == seen:
-            ops.append(op)
     return ops, Outcome(len(ops), rejected=run.rejected)
+
+
+# -- the fuzzer -----------------------------------------------------------------------------
 
 
 def shrink(config: OffloadConfig, ops: list[dict[str, Any]], factory: TargetFactory, oracle: Iterable[str],
@@ -411,8 +495,8 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
     res = FuzzResult(False, 0.0, 0, 0, rare=rare.counts)
     try:
         while time.monotonic() - start < budget:
-            cfg = config_for(rng) if config_for else random_config(rng, policy, lazy)
-            orc = oracles.resolve(oracle, cfg, bug)
+            cfg = config_for(rng) if config_for else random_config(RandomChoices(rng), policy, lazy)
+            orc = claimed.resolve(oracle, cfg, bug)
             res.oracle = orc.name
             trace_ops, out = generate(cfg, factory, rng, ops_per_trace, orc.ids, rare)
             res.traces += 1
@@ -449,6 +533,63 @@ def _finding_trace(cfg: OffloadConfig, ops: list[dict[str, Any]], target: str, s
                    orc: oracles.Oracle, out: Outcome) -> Trace:
     return Trace(replace(cfg), list(ops), target, seed, note=f"finding: {out.describe()}"[:2000],
                  oracle=orc.ids, finding=out.finding())
+
+
+# -- real vLLM with the invariant catalogue as the only oracle -------------------------------
+
+
+@dataclass
+class InvariantFuzzResult:
+    """What ``fuzz_with_invariants`` found: the first violation, where, and after how much;
+    ``error`` names anything else that stopped the search (a rejected or crashing operation)."""
+
+    found: bool
+    seconds: float
+    traces: int
+    ops: int
+    violation: Violation | None = None
+    trace_ops: list[dict[str, Any]] = field(default_factory=list)
+    shrunk_ops: list[dict[str, Any]] = field(default_factory=list)
+    shrunk_violation: Violation | None = None
+    error: str | None = None
+
+
+def fuzz_with_invariants(config: OffloadConfig, *, seed: int = 0, max_traces: int = 50, ops_per_trace: int = 200,
+                         oracle: Sequence[str] | None = None, shrink: bool = True,
+                         factory: TargetFactory | None = None) -> InvariantFuzzResult:
+    """Random engine traces on one target (default: real vLLM, ``kvspec.adapters.vllm``), the
+    invariant catalogue after every operation, no model alongside.
+
+    Operations are drawn from the target engine's own state (``generate``, strict: every generated
+    operation must be accepted). The search stops at the first violation of ``oracle`` (default:
+    ``kvspec.adapters.vllm.baseline_oracle(config)``) or at any other finding (reported as
+    ``error``), and shrinks a violation's trace by delta debugging with the same oracle, on the
+    same target. Deterministic in ``seed``."""
+    from kvspec.adapters.targets import get_factory
+    from kvspec.adapters.vllm import baseline_oracle
+
+    make = factory or get_factory("vllm")
+    ids = tuple(oracle) if oracle is not None else baseline_oracle(config)
+    rng = random.Random(seed)
+    start = time.monotonic()
+    total = 0
+    for n_trace in range(1, max_traces + 1):
+        mix = OpMix(num_families=rng.choice([1, 2, 3]), readmit_preempted=True)
+        ops, out = generate(config, make, rng, ops_per_trace, ids, mix=mix, strict=True)
+        total += len(ops)
+        if out.failed:
+            result = InvariantFuzzResult(out.violation is not None, time.monotonic() - start, n_trace, total,
+                                         out.violation, ops, error=None if out.violation else out.describe())
+            return _shrunk(result, config, make, ids, out) if shrink and result.found else result
+    return InvariantFuzzResult(False, time.monotonic() - start, max_traces, total)
+
+
+def _shrunk(result: InvariantFuzzResult, config: OffloadConfig, make: TargetFactory, ids: tuple[str, ...],
+            finding: Outcome) -> InvariantFuzzResult:
+    """``result`` with its trace shrunk (at most a minute of delta debugging)."""
+    small, out = shrink(config, result.trace_ops, make, ids, finding, time.monotonic() + 60.0)
+    result.shrunk_ops, result.shrunk_violation = small, out.violation
+    return result
 
 
 # -- finding files --------------------------------------------------------------------------
@@ -507,156 +648,157 @@ def check_writable(out_dir: str | Path) -> None:
 # -- the Hypothesis state machine -----------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class MachineSpec:
+    """What a state machine drives: ``factory``'s targets for ``policy`` (lazy or eager), judged by
+    ``oracle`` (None: the policy's claims) and, with a ``reference``, compared with it; failures
+    are written as traces under ``trace_dir`` when given."""
+
+    factory: TargetFactory
+    reference: TargetFactory | None = None
+    policy: str = "repair"
+    oracle: tuple[str, ...] | None = None
+    trace_dir: str | Path | None = None
+    lazy: bool = False
+    refine: bool = False  # also the refinement check (R1) after every accepted operation
+
+
+class EngineMachine:
+    """The state machine's workings, apart from its Hypothesis rules (``make_state_machine``):
+    the configuration comes from ``opgen.random_config`` and each rule draws its operation from
+    ``OpGenerator``, both with ``HypothesisChoices``; the operation goes through one ``Run``, as
+    a recorded operation (a generated one must be accepted, an invalid one rejected cleanly),
+    which checks the oracle (the policy's claims by default) and, with a reference, that both
+    agree. Any finding fails the example and, with a ``trace_dir``, is saved as a trace. After
+    every rule the target's own self-check runs. Rare paths reached become Hypothesis
+    ``event``s; ``teardown`` reports ``target``s."""
+
+    spec: ClassVar[MachineSpec]
+
+    def __init__(self) -> None:
+        from hypothesis import event
+
+        super().__init__()
+        self.rare = RarePaths(on_hit=event)
+        self.ops: list[dict[str, Any]] = []
+        self.max_lost = 0
+        self._run: Run | None = None
+
+    @property
+    def run(self) -> Run:
+        """The run: ``begin`` (the @initialize rule) comes before every other rule."""
+        assert self._run is not None
+        return self._run
+
+    def begin(self, data: Any) -> None:
+        spec = self.spec
+        config = random_config(HypothesisChoices(data), spec.policy, spec.lazy)
+        oracle = spec.oracle if spec.oracle is not None else default_oracle(config)
+        run = start_run(config, spec.factory, oracle, spec.reference, self.rare, spec.refine)
+        if isinstance(run, Outcome):
+            raise AssertionError(run.describe())
+        self._run = run
+
+    def can(self, kind: str) -> bool:
+        """Whether an operation of ``kind`` has something to act on now (a rule's precondition)."""
+        return self._run is not None and kind in kind_weights(self._run.engine)
+
+    def play(self, kind: str, data: Any) -> dict[str, Any]:
+        """Draw a valid operation of ``kind`` and apply it; returns it."""
+        op = OpGenerator(self.run.config, HypothesisChoices(data)).builders[kind](self.run.engine)
+        self.apply(op)
+        return op
+
+    def play_invalid(self, data: Any) -> None:
+        from hypothesis import event
+
+        op = OpGenerator(self.run.config, HypothesisChoices(data)).invalid_op(self.run.engine)
+        self.apply({**op, "expect": "error"})
+        event("invalid operation rejected")
+
+    def apply(self, op: dict[str, Any]) -> None:
+        self.ops.append(op)
+        found = self.run.apply(op)
+        if found is not None:
+            self._fail(found)
+        lost = len(self.run.snapshot["scheduler"]["policy_state"].get("lost", ()))
+        self.max_lost = max(self.max_lost, lost)
+
+    def check_structures(self) -> None:
+        """The target's own structural self-check, where it has one (the model's free queues,
+        pools and scheduler check themselves)."""
+        own_check = getattr(self.run.engine.target, "_check", None) if self._run is not None else None
+        if own_check is not None:
+            own_check()
+
+    def report_targets(self) -> None:
+        from hypothesis import target
+
+        target(float(self.rare.counts["eviction under a live cursor"]), label="evictions under a live cursor")
+        target(float(self.max_lost), label="pending lost records")
+
+    def _fail(self, found: Outcome) -> None:
+        message = found.describe()
+        if self.spec.trace_dir is not None:
+            trace = Trace(self.run.config, self.ops, "harness", None, note=message[:2000])
+            save_trace(trace, self.spec.trace_dir, finding_name("harness", self.spec.policy, "claims", trace))
+        raise AssertionError(message)
+
+
 def make_state_machine(factory: TargetFactory, reference: TargetFactory | None = None,
                        policy: str = "repair", oracle: tuple[str, ...] | None = None,
-                       trace_dir: str | Path | None = None, lazy: bool = False) -> type:
-    """A ``RuleBasedStateMachine`` driving ``Engine(factory(config))`` for ``policy``.
-
-    Requests live in a bundle (``finish`` consumes them); rules whose arguments depend on
-    the state (admissions, preemptions, reports, load completions) draw from it under
-    preconditions. After every step the oracle (the policy's claims by default) is checked
-    and, with a reference, the snapshots must be equal. A failure is written as a trace.
-    """
-    from hypothesis import event, target
+                       trace_dir: str | Path | None = None, lazy: bool = False, refine: bool = False) -> type:
+    """A ``RuleBasedStateMachine`` driving ``Engine(factory(config))`` for ``policy`` (see
+    ``EngineMachine``): the configuration is drawn first, then one rule per operation kind.
+    Requests live in a bundle (``add`` fills it, ``finish`` consumes it); reports and load
+    completions wait for something to act on (preconditions), resets for every fourth step."""
     from hypothesis import strategies as st
     from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
-    class KVSpecMachine(RuleBasedStateMachine):
+    class KVSpecMachine(EngineMachine, RuleBasedStateMachine):
+        spec = MachineSpec(factory, reference, policy, oracle, trace_dir, lazy, refine)
         requests = Bundle("requests")
 
-        def __init__(self) -> None:
-            super().__init__()
-            self.engine: Engine | None = None
-            self.ref: Engine | None = None
-            self.ops: list[dict[str, Any]] = []
-            self.rare = RarePaths()
-            self.config: OffloadConfig | None = None
-            self.max_lost = 0
+        @initialize(data=st.data())
+        def setup(self, data: Any) -> None:
+            self.begin(data)
 
-        def teardown(self) -> None:
-            target(float(self.rare.counts["eviction under a live cursor"]), label="evictions under a live cursor")
-            target(float(self.max_lost), label="pending lost records")
+        @rule(target=requests, data=st.data())
+        def add(self, data: Any) -> str:
+            return str(self.play("add", data)["rid"])
 
-        @initialize(gpu=st.sampled_from([12, 16, 24]), cpu=st.sampled_from([4, 5, 6, 8]),
-                    world=st.sampled_from([1, 2]), swa=st.sampled_from([0, 0, 32]))
-        def setup(self, gpu: int, cpu: int, world: int, swa: int) -> None:
-            groups = (KVGroup(), KVGroup("sliding", sliding_window=swa)) if swa else (KVGroup(),)
-            self.config = OffloadConfig(block_size=16, num_gpu_blocks=gpu, num_cpu_blocks=cpu, world_size=world,
-                                        groups=groups, policy=policy, lazy_offload=lazy)
-            self.engine = Engine(factory(self.config))
-            self.ref = Engine(reference(self.config)) if reference is not None else None
+        @rule(data=st.data())
+        def step(self, data: Any) -> None:
+            self.play("step", data)
 
-        # -- applying -------------------------------------------------------------------
-        def _apply(self, op: dict[str, Any], expect_error: bool = False) -> None:
-            assert self.engine is not None
-            self.ops.append({**op, "expect": "error"} if expect_error else op)
-            before = self.engine.snapshot()
-            try:
-                self.engine.apply(op)
-                err = None
-            except KVSpecError as exc:
-                err = exc
-            except Exception as exc:  # a crash: saved as a trace like any finding, then re-raised
-                self._fail_if(True, f"{op['op']} crashed: {type(exc).__name__}: {exc}")
-            if self.ref is not None:
-                try:
-                    self.ref.apply(op)
-                    ref_err = None
-                except KVSpecError as exc:
-                    ref_err = exc
-                self._fail_if((err is None) != (ref_err is None), f"target error {err!r}, reference {ref_err!r}")
-            if expect_error:
-                self._fail_if(err is None, f"{op} was not rejected")
-                self._fail_if(self.engine.snapshot() != before, f"rejected {op} changed the state")
-                event("invalid operation rejected")
-            else:
-                self._fail_if(err is not None, f"{op} rejected: {err}")
-                for name in self.rare.observe(before, self.engine.snapshot(), op):
-                    event(name)
-
-        def _fail_if(self, cond: bool, message: str) -> None:
-            if cond:
-                if trace_dir is not None and self.config is not None:
-                    trace = Trace(self.config, self.ops, "harness", None, note=message[:2000])
-                    save_trace(trace, trace_dir, finding_name("harness", policy, "claims", trace))
-                raise AssertionError(message)
-
-        def _live(self) -> Engine:
-            """The engine: ``setup`` (the @initialize rule) runs before every other rule."""
-            assert self.engine is not None
-            return self.engine
-
-        def _waiting(self) -> list[str]:
-            return [r for r, q in self._live().requests.items() if q.status in ("waiting", "preempted")]
-
-        def _running(self) -> list[str]:
-            return [r for r, q in self._live().requests.items() if q.status in ("running", "loaded")]
-
-        # -- rules ----------------------------------------------------------------------
-        @rule(target=requests, family=st.integers(0, 2), blocks=st.integers(1, 6), extra=st.sampled_from([0, 1, 8]),
-              max_tokens=st.sampled_from([1, 2, 16, 32]))
-        def add(self, family: int, blocks: int, extra: int, max_tokens: int) -> str:
-            rid = f"r{self._live().num_added}"
-            self._apply({"op": "add", "rid": rid, "family": family, "prompt_len": blocks * 16 + extra,
-                         "max_tokens": max_tokens})
-            return rid
-
-        @rule(data=st.data(), chunk=st.sampled_from([16, 32, 64]), resume=st.sampled_from(["mrv1", "mrv2"]))
-        def step(self, data: Any, chunk: int, resume: str) -> None:
-            waiting, running = self._waiting(), self._running()
-            admit = data.draw(st.lists(st.sampled_from(waiting), unique=True)) if waiting else []
-            preempt = data.draw(st.lists(st.sampled_from(running), unique=True, max_size=1)) if running else []
-            self._apply({"op": "step", "admit": admit, "chunk": chunk, "preempt": preempt, "resume": resume})
-            lost = len(self._live().snapshot()["scheduler"]["policy_state"].get("lost", []))
-            self.max_lost = max(self.max_lost, lost)
-
-        @precondition(lambda self: self.engine is not None and bool(self.engine.reports_left))
+        @precondition(lambda self: self.can("report"))
         @rule(data=st.data())
         def report(self, data: Any) -> None:
-            reports_left = self._live().reports_left
-            e = data.draw(st.sampled_from(sorted(reports_left)))
-            count = data.draw(st.integers(1, reports_left[e]))
-            self._apply({"op": "report", "event": e, "count": count})
+            self.play("report", data)
 
-        @precondition(lambda self: self.engine is not None and bool(self.engine.loads_shipped))
+        @precondition(lambda self: self.can("load_done"))
         @rule(data=st.data())
         def load_done(self, data: Any) -> None:
-            self._apply({"op": "load_done", "rid": data.draw(st.sampled_from(sorted(self._live().loads_shipped)))})
+            self.play("load_done", data)
 
         @rule(rid=consumes(requests))
         def finish(self, rid: str) -> None:
-            self._apply({"op": "finish", "rid": rid})
+            self.apply({"op": "finish", "rid": rid})
 
-        @precondition(lambda self: self.engine is not None and self.engine.step_index % 4 == 3)
+        @precondition(lambda self: self.can("reset") and self.run.engine.step_index % 4 == 3)
         @rule()
         def reset(self) -> None:
-            self._apply({"op": "reset"})
+            self.apply({"op": "reset"})
 
-        @rule(bad=st.sampled_from([
-            {"op": "report", "event": 10_000, "count": 1},
-            {"op": "load_done", "rid": "nobody"},
-            {"op": "finish", "rid": "nobody"},
-            {"op": "step", "admit": ["nobody"]},
-            {"op": "step", "chunk": 0},
-            {"op": "add", "rid": "", "family": 0, "prompt_len": 16},
-            {"op": "add", "rid": "x", "family": -1, "prompt_len": 16},
-            {"op": "frobnicate"},
-        ]))
-        def invalid(self, bad: dict[str, Any]) -> None:
-            self._apply(dict(bad), expect_error=True)
+        @rule(data=st.data())
+        def invalid(self, data: Any) -> None:
+            self.play_invalid(data)
 
         @invariant()
-        def catalogue(self) -> None:
-            if self.engine is None or self.config is None:  # (both are set by setup)
-                return
-            own_check = getattr(self.engine.target, "_check", None)
-            if own_check is not None:  # the model's structures check themselves (free queues, pools, scheduler)
-                own_check()
-            ids = oracle if oracle is not None else default_oracle(self.config)
-            found = check(self.engine.snapshot(), ids)
-            self._fail_if(bool(found), "; ".join(str(v) for v in found[:3]))
-            if self.ref is not None:
-                diff = first_difference(self.ref.snapshot(), self.engine.snapshot())
-                self._fail_if(diff is not None, f"divergence: {diff}")
+        def self_check(self) -> None:
+            self.check_structures()
+
+        def teardown(self) -> None:
+            self.report_targets()
 
     return KVSpecMachine

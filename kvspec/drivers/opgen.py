@@ -1,68 +1,320 @@
-"""State-aware random operations for the fuzzer: always valid for the engine's current state.
+"""The one operation generator: state-aware engine operations, valid or deliberately invalid.
 
-``next_op(engine, rng)`` looks at the engine (requests by status, store events still
-awaiting reports, loads in flight) and draws one operation a real engine could
-perform next. Shared prefixes are on purpose: prompts come from a few families.
-Weights favour steps and reports so that CPU pressure (evictions under live
-cursors, re-stores, out-of-space) builds up in short traces.
+``OpGenerator(config, choices)`` looks at an engine (``kvspec.drivers.engine.Engine``:
+requests by status, store events still awaiting reports, loads in flight) and proposes the
+next operation a real engine could perform, or, with ``invalid_op``, one it must refuse.
+Every decision is drawn from ``choices``, a ``Choices`` source:
+
+* ``RandomChoices`` draws from a ``random.Random``: the fuzzer (``harness.fuzz``), the trace
+  generator (``tracegen.random_ops``) and the invariant fuzzer of real vLLM. Same engine
+  state, same ``Random`` state, same operation.
+* ``HypothesisChoices`` draws from Hypothesis' ``data.draw``: the state machine
+  (``harness.make_state_machine``), whose rules call the same builders (``add``, ``step``,
+  ``report``...), so that Hypothesis explores and shrinks the very decisions the fuzzer makes.
+
+The mix aims at what the offload bookkeeping finds hard, so that CPU pressure (evictions under
+live cursors, re-stores, out-of-space) builds up in short traces:
+
+* **adds** draw prompts from a few *families*, so requests share prefixes and hit each other's
+  blocks on GPU and CPU; prompt lengths hit block boundaries often;
+* **steps** admit waiting and preempted requests in random order, preempt running ones, vary
+  the chunk size (prefill in several chunks, off-boundary chunks) and the resume style
+  (``mrv1``/``mrv2``);
+* **reports** deliver store completions one rank count at a time or several at once, for any
+  in-flight event, in any order; **load_done** completes shipped loads in any order;
+* **finishes** hit requests in every phase (waiting, running, waiting for a load, loaded,
+  preempted), preferring those that are done; **resets** are rare, with transfers in flight
+  or not;
+* **invalid** operations name an unknown request or event, finish twice, admit a running
+  request, add a request twice or with a bad field, ask for a zero chunk or one report too
+  many. Every one of them can be written in a trace (``kvspec.drivers.trace``).
+
+``random_config`` draws the small configurations the fuzzer and the state machine run on
+(small pools, so that the rare paths are common). Each builder is O(requests of the engine).
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
-from kvspec.drivers.engine import LOADED, PREEMPTED, RUNNING, WAITING, Engine
+from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.drivers.engine import FINISHED, LOADED, PREEMPTED, RUNNING, WAITING, Engine
 
-FAMILIES = 3
+T = TypeVar("T")
+Op = dict[str, Any]
+
+FAMILIES = 3  # prompt families (shared prefixes) unless a caller asks for another number
+CROWDED = 6  # active requests from which adds become rare
+MAX_PROMPT_BLOCKS = 6
+ADMIT_CHANCE = 0.7  # each waiting or preempted request, per step
+PREEMPT_CHANCE = 0.08  # each running request, per step
+WHOLE_REPORT_CHANCE = 0.5  # a report delivers every rank still due at once
+FINISH_DONE_CHANCE = 0.7  # a finish picks a request that is done, when there is one
+UNKNOWN_REQUEST = "no-such-request"
+UNKNOWN_EVENT = 10_000  # store event ids from here on are never issued in a generated trace
+UNKNOWN_EVENT_SPREAD = 100
+CHANCE_STEPS = 100  # outcomes of one Hypothesis ``chance`` draw
 
 
-def random_config_kwargs(rng: random.Random) -> dict[str, Any]:
-    """Small pools so that the rare paths are common."""
-    return {
-        "num_gpu_blocks": rng.choice([12, 16, 24]),
-        "num_cpu_blocks": rng.choice([4, 5, 6, 8]),
-        "world_size": rng.choice([1, 1, 2]),
-    }
+# -- sources of choices ----------------------------------------------------------------------
 
 
-def next_op(engine: Engine, rng: random.Random) -> dict[str, Any]:
-    reqs = engine.live  # finished requests cannot be named by any operation
-    B = engine.B
-    waiting = [r for r, q in reqs.items() if q.status in (WAITING, PREEMPTED)]
-    running = [r for r, q in reqs.items() if q.status in (RUNNING, LOADED)]
-    live = [r for r, q in reqs.items() if q.status != "finished"]
-    choices: list[tuple[float, str]] = [(2.0, "add") if len(live) < 6 else (0.2, "add"), (6.0, "step")]
+class Choices(Protocol):
+    """Where the generator's decisions come from."""
+
+    def integer(self, low: int, high: int) -> int:
+        """An int in ``low..high`` (both included)."""
+        ...
+
+    def pick(self, options: Sequence[T]) -> T:
+        """One of ``options`` (not empty)."""
+        ...
+
+    def chance(self, probability: float) -> bool:
+        """True with ``probability`` (a random source; Hypothesis explores both)."""
+        ...
+
+    def subset(self, items: Sequence[T], probability: float) -> list[T]:
+        """Some of ``items`` in their order, each kept with ``probability``."""
+        ...
+
+    def shuffled(self, items: Sequence[T]) -> list[T]:
+        """``items`` in some order."""
+        ...
+
+    def weighted(self, weights: Mapping[str, float]) -> str:
+        """One key of ``weights`` (positive weights), in proportion to its weight."""
+        ...
+
+
+class RandomChoices:
+    """``Choices`` from a ``random.Random``: deterministic in its seed. O(1) per decision, O(n)
+    for a subset or a shuffle."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def integer(self, low: int, high: int) -> int:
+        return self.rng.randint(low, high)
+
+    def pick(self, options: Sequence[T]) -> T:
+        return self.rng.choice(options)
+
+    def chance(self, probability: float) -> bool:
+        return self.rng.random() < probability
+
+    def subset(self, items: Sequence[T], probability: float) -> list[T]:
+        return [x for x in items if self.rng.random() < probability]
+
+    def shuffled(self, items: Sequence[T]) -> list[T]:
+        out = list(items)
+        self.rng.shuffle(out)
+        return out
+
+    def weighted(self, weights: Mapping[str, float]) -> str:
+        return self.rng.choices(list(weights), list(weights.values()))[0]
+
+
+class HypothesisChoices:
+    """``Choices`` drawn with Hypothesis' ``data.draw`` inside a test or a rule: every decision
+    is a draw that Hypothesis records, explores and shrinks. A ``chance`` is one draw of
+    ``CHANCE_STEPS`` equally likely outcomes, ``probability`` of them True, shrinking to False
+    (so that a shrunk trace preempts and admits as little as it can)."""
+
+    def __init__(self, data: Any) -> None:
+        from hypothesis import strategies
+
+        self.data = data
+        self.st = strategies
+
+    def integer(self, low: int, high: int) -> int:
+        value: int = self.data.draw(self.st.integers(low, high))
+        return value
+
+    def pick(self, options: Sequence[T]) -> T:
+        value: T = self.data.draw(self.st.sampled_from(options))
+        return value
+
+    def chance(self, probability: float) -> bool:
+        step: int = self.data.draw(self.st.integers(0, CHANCE_STEPS - 1))
+        return step >= CHANCE_STEPS - round(probability * CHANCE_STEPS)
+
+    def subset(self, items: Sequence[T], probability: float) -> list[T]:
+        return [x for x in items if self.chance(probability)]
+
+    def shuffled(self, items: Sequence[T]) -> list[T]:
+        value: list[T] = self.data.draw(self.st.permutations(list(items)))
+        return value
+
+    def weighted(self, weights: Mapping[str, float]) -> str:
+        return self.pick(sorted(weights))
+
+
+# -- configurations --------------------------------------------------------------------------
+
+
+def random_config(choices: Choices, policy: str, lazy: bool = False, block_size: int = 16) -> OffloadConfig:
+    """A small configuration for ``policy``: 12-24 GPU and 4-8 CPU blocks (so that the rare paths
+    are common), one or two ranks, and now and then a sliding-window group beside the full one."""
+    gpu = choices.pick((12, 16, 24))
+    cpu = choices.pick((4, 5, 6, 8))
+    world = choices.pick((1, 1, 2))
+    groups: tuple[KVGroup, ...] = (KVGroup(),)
+    if choices.chance(0.3):
+        window = choices.pick((block_size, 2 * block_size, 3 * block_size))
+        groups = (KVGroup(), KVGroup("sliding", sliding_window=window))
+    return OffloadConfig(block_size=block_size, num_gpu_blocks=gpu, num_cpu_blocks=cpu, world_size=world,
+                         groups=groups, policy=policy, lazy_offload=lazy)
+
+
+# -- the generator ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpMix:
+    """What a stream of generated operations may contain: ``num_families`` prompt families, a
+    fraction ``invalid_rate`` of deliberately invalid operations, and, with ``readmit_preempted``,
+    steps that re-admit requests they preempt (one ``SchedulerOutput`` naming a request both as
+    preempted and as scheduled, which the connector accepts). The conformance traces use that
+    shape (two targets must agree on it); the fuzzer and the state machine leave it out, since on
+    it C6 judges the ``repair`` policy's re-store for the re-admitted request as thrash."""
+
+    num_families: int = FAMILIES
+    invalid_rate: float = 0.0
+    readmit_preempted: bool = False
+
+
+FUZZ_MIX = OpMix()  # the fuzzer's and the state machine's: valid operations, three families
+
+
+def _active(engine: Engine) -> list[str]:
+    """Requests an operation may still finish (live and not finished), in creation order."""
+    return [rid for rid, r in engine.live.items() if r.status != FINISHED]
+
+
+def kind_weights(engine: Engine) -> dict[str, float]:
+    """The kinds of valid operation possible in ``engine``'s state, weighted: steps and reports
+    dominate, adds thin out once ``CROWDED`` requests are active, resets are rare. A kind that is
+    missing has nothing to act on (no report due, no load shipped, no active request)."""
+    active = len(_active(engine))
+    weights = {"add": 3.0 if active < CROWDED else 0.5, "step": 6.0}
     if engine.reports_left:
-        choices.append((4.0, "report"))
+        weights["report"] = 4.0
     if engine.loads_shipped:
-        choices.append((3.0, "load_done"))
-    if live:
-        choices.append((1.0, "finish"))
-    choices.append((0.15, "reset"))
-    total = sum(w for w, _ in choices)
-    x = rng.uniform(0, total)
-    kind = choices[-1][1]
-    for w, name in choices:
-        x -= w
-        if x <= 0:
-            kind = name
-            break
-    if kind == "add":
-        n = engine.num_added
-        blocks = rng.randint(1, 6)
-        return {"op": "add", "rid": f"r{n}", "family": rng.randrange(FAMILIES),
-                "prompt_len": blocks * B + rng.choice([0, 1, B // 2]), "max_tokens": rng.choice([1, 2, B, 2 * B])}
-    if kind == "step":
-        admit = [r for r in waiting if rng.random() < 0.7]
-        preempt = [r for r in running if rng.random() < 0.08]
-        return {"op": "step", "admit": admit, "chunk": rng.choice([B, 2 * B, 4 * B]), "preempt": preempt,
-                "resume": rng.choice(["mrv1", "mrv2"])}
-    if kind == "report":
-        event = rng.choice(sorted(engine.reports_left))
-        return {"op": "report", "event": event, "count": rng.randint(1, engine.reports_left[event])}
-    if kind == "load_done":
-        return {"op": "load_done", "rid": rng.choice(sorted(engine.loads_shipped))}
-    if kind == "finish":
-        return {"op": "finish", "rid": rng.choice(live)}
-    return {"op": "reset"}
+        weights["load_done"] = 3.0
+    if active:
+        weights["finish"] = 1.5
+    weights["reset"] = 0.15
+    return weights
+
+
+class OpGenerator:
+    """Operations for engines on ``config`` in the proportions of ``mix``, every decision drawn
+    from ``choices``. It keeps no state of its own: request ids come from the engine (``r<n>``, n
+    the requests added so far), so the same engine state and the same choices give the same
+    operation."""
+
+    def __init__(self, config: OffloadConfig, choices: Choices, mix: OpMix = FUZZ_MIX) -> None:
+        self.config = config
+        self.choices = choices
+        self.mix = mix
+        self.num_families = max(1, mix.num_families)
+        b = config.block_size
+        self.chunks = sorted({b, 2 * b, 3 * b, b + 1, max(1, b - 1), config.max_num_batched_tokens, 5 * b})
+        self.builders: dict[str, Callable[[Engine], Op]] = {
+            "add": self.add, "step": self.step, "report": self.report, "load_done": self.load_done,
+            "finish": self.finish, "reset": self.reset,
+        }
+
+    def next_op(self, engine: Engine) -> Op:
+        """The next operation of the mix: with probability ``invalid_rate`` an invalid one (marked
+        ``"expect": "error"``), else a valid one of a kind drawn by ``kind_weights``."""
+        if self.mix.invalid_rate > 0 and self.choices.chance(self.mix.invalid_rate):
+            return {**self.invalid_op(engine), "expect": "error"}
+        return self.builders[self.choices.weighted(kind_weights(engine))](engine)
+
+    # -- valid operations, one builder per kind (each needs what ``kind_weights`` requires) ---
+
+    def add(self, engine: Engine) -> Op:
+        """A new request of a random family: 0-6 full blocks plus 0, 1 or any number of tokens, and
+        from no output token to two blocks of them."""
+        c, b = self.choices, self.config.block_size
+        blocks = c.integer(0, MAX_PROMPT_BLOCKS)
+        extra = c.pick((0, 0, 1, 1, c.integer(1, b)))
+        return {"op": "add", "rid": f"r{engine.num_added}", "family": c.integer(0, self.num_families - 1),
+                "prompt_len": max(1, blocks * b + extra), "max_tokens": c.pick((0, 1, 1, 2, 3, b, b + 2, 2 * b))}
+
+    def step(self, engine: Engine) -> Op:
+        """Preempt some running requests, admit some waiting or preempted ones (with
+        ``readmit_preempted``, also some of those this step preempts) in a random order, with a
+        chunk from ``chunks``; a resume style when it matters."""
+        c = self.choices
+        waiting = [rid for rid, r in engine.live.items() if r.status in (WAITING, PREEMPTED)]
+        running = [rid for rid, r in engine.live.items() if r.status in (RUNNING, LOADED)]
+        preempt = c.subset(running, PREEMPT_CHANCE)
+        admissible = waiting + preempt if self.mix.readmit_preempted else waiting
+        admit = c.shuffled(c.subset(admissible, ADMIT_CHANCE))
+        op: Op = {"op": "step", "admit": admit, "chunk": c.pick(self.chunks)}
+        if preempt:
+            op["preempt"] = preempt
+        if preempt or any(engine.requests[r].was_preempted for r in admit):
+            op["resume"] = c.pick(("mrv1", "mrv2"))
+        return op
+
+    def report(self, engine: Engine) -> Op:
+        """Ranks of one in-flight store event report: all still due, or some."""
+        c = self.choices
+        event = c.pick(sorted(engine.reports_left))
+        left = engine.reports_left[event]
+        count = left if c.chance(WHOLE_REPORT_CHANCE) else c.integer(1, left)
+        return {"op": "report", "event": event, "count": count}
+
+    def load_done(self, engine: Engine) -> Op:
+        return {"op": "load_done", "rid": self.choices.pick(sorted(engine.loads_shipped))}
+
+    def finish(self, engine: Engine) -> Op:
+        """An active request finishes, preferably one that is done (prompt and outputs computed)."""
+        active = _active(engine)
+        done = [rid for rid in active if _is_done(engine, rid)]
+        pool = done if done and self.choices.chance(FINISH_DONE_CHANCE) else active
+        return {"op": "finish", "rid": self.choices.pick(pool)}
+
+    def reset(self, engine: Engine) -> Op:
+        return {"op": "reset"}
+
+    # -- invalid operations -------------------------------------------------------------------
+
+    def invalid_op(self, engine: Engine) -> Op:
+        """An operation the engine must refuse in this state, leaving everything unchanged."""
+        c, b = self.choices, self.config.block_size
+        options: list[Op] = [
+            {"op": "finish", "rid": UNKNOWN_REQUEST},
+            {"op": "load_done", "rid": UNKNOWN_REQUEST},
+            {"op": "report", "event": UNKNOWN_EVENT + c.integer(0, UNKNOWN_EVENT_SPREAD - 1), "count": 1},
+            {"op": "step", "admit": [], "chunk": 0},
+            {"op": "step", "admit": [UNKNOWN_REQUEST]},
+            {"op": "add", "rid": "", "family": 0, "prompt_len": 1},
+            {"op": "add", "rid": UNKNOWN_REQUEST, "family": -1, "prompt_len": b},
+        ]
+        reqs = engine.requests
+        finished = [rid for rid, r in reqs.items() if r.status == FINISHED]
+        running = [rid for rid, r in reqs.items() if r.status == RUNNING]
+        if finished:
+            options.append({"op": "finish", "rid": c.pick(finished)})
+        if running:
+            options.append({"op": "step", "admit": [c.pick(running)]})
+        if reqs:
+            options.append({"op": "add", "rid": c.pick(sorted(reqs)), "family": 0, "prompt_len": 4})
+        if engine.reports_left:
+            event = c.pick(sorted(engine.reports_left))
+            options.append({"op": "report", "event": event, "count": engine.reports_left[event] + 1})
+        return c.pick(options)
+
+
+def _is_done(engine: Engine, rid: str) -> bool:
+    """Running with every output token sampled and everything but the last token computed."""
+    r = engine.requests[rid]
+    return r.status == RUNNING and len(r.output) >= r.max_tokens and r.num_computed_tokens >= r.num_tokens - 1

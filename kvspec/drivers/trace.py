@@ -47,7 +47,7 @@ MAX_NOTE = 10_000
 MAX_ORACLE = 256  # invariant ids in a header's oracle
 MAX_EXCEPTION = 200  # characters of a finding's exception name
 MAX_OP_INDEX = 1 << 40
-INVARIANT_ID = re.compile(r"[IC][0-9]{1,6}")
+INVARIANT_ID = re.compile(r"[ICR][0-9]{1,6}")  # I and C: the catalogue; R1: refinement (kvspec.specs)
 FINDING_KINDS = ("violation", "crash", "divergence", "expectation")
 HEADER_KEYS = {1: ("kvspec_trace", "config", "target", "seed", "note"),
                2: ("kvspec_trace", "config", "target", "seed", "note", "oracle", "finding")}

@@ -169,48 +169,20 @@ def observe_plan(pre: Snapshot, post: Snapshot, copies: list[int], finishing: st
     *passed* when a cursor moved over it in the step, or, for a finish flush (which moves no
     cursor), when the flush copied a later position of the same group.
     O(requests x table + CPU map + copies)."""
-    reqs = pre["engine"]["requests"]
-    groups, bs = pre["engine"]["config"]["groups"], _block_size(pre)
-    before, after = pre["scheduler"]["reqs_to_store"], post["scheduler"]["reqs_to_store"]
+    seen = _plan_positions(pre, post, set(copies), finishing)
     gpu_hash = pre["gpu_pool"]["block_hash"]
-    new_work: set[int] = set()
-    held: set[int] = set()
-    copied = set(copies)
-    passed: list[str] = []
-    for rid, r in reqs.items():
-        st, st_after = before.get(rid), after.get(rid)
-        if r["status"] == "finished":
-            continue
-        live_after = st_after is not None and not st_after["finished"]
-        for g, table in enumerate(r["table"]):
-            cursor = 0 if st is None or st["finished"] else st["num_stored_blocks"][g]
-            if live_after:
-                cursor = min(cursor, st_after["num_stored_blocks"][g])
-            new_work.update(b for b in table[cursor:] if b != 0)
-            held.update(table)
-            if st is None or st["finished"]:
-                continue
-            if rid == finishing:
-                end = max((p + 1 for p in range(cursor, len(table)) if table[p] in copied), default=cursor)
-            elif live_after:
-                end = st_after["num_stored_blocks"][g]
-            else:
-                continue
-            for p in range(max(st["num_stored_blocks"][g], _floor(groups, g, r, bs)),
-                           min(end, len(table), len(r["block_hashes"]))):
-                b = table[p]
-                if b != 0 and gpu_hash[b] == f"{r['block_hashes'][p]}:{g}":
-                    passed.append(gpu_hash[b])
     owners: dict[str, list[tuple[str, int, int]]] = {}
     for rid, g, p, _, key in owned_below_cursor(pre):
         owners.setdefault(key, []).append((rid, g, p))
     covered_before, covered_after = covered_keys(pre), covered_keys(post)
     evicted = set(pre["cpu_pool"]["cached"]) - set(post["cpu_pool"]["cached"])
     lost = {k for k in owners if k not in covered_before or k in evicted}
-    restores = [b for b in copies if b in held and b not in new_work]
+    restores = [b for b in copies if b in seen.held and b not in seen.new_work]
     restored_keys = {gpu_hash[b] if gpu_hash[b] is not None else f"(unhashed GPU block {b})" for b in restores}
+    reqs = pre["engine"]["requests"]
 
     def useful(key: str) -> bool:
+        """Its chain prefix is still reachable on CPU (or it is a first block)."""
         for rid, g, p in owners[key]:
             if p == 0:
                 return True
@@ -225,10 +197,53 @@ def observe_plan(pre: Snapshot, post: Snapshot, copies: list[int], finishing: st
         "restore_copies": len(restores),
         "lost_keys": len(lost),
         "unlost_restores": sorted(restored_keys - lost),
-        "judged_cached_evicted": sorted({k for k in passed if k in pre["cpu_pool"]["cached"]
+        "judged_cached_evicted": sorted({k for k in seen.passed if k in pre["cpu_pool"]["cached"]
                                          and k not in covered_after}),
         "live_useful_evicted": sorted(k for k in evicted if k in owners and useful(k)),
     }
+
+
+@dataclass
+class _PlanPositions:
+    """What the active requests' tables say about one plan: the blocks held at or after a cursor
+    (``new_work``), every block held (``held``), and the keys of the positions a cursor passed."""
+
+    new_work: set[int] = field(default_factory=set)
+    held: set[int] = field(default_factory=set)
+    passed: list[str] = field(default_factory=list)
+
+
+def _plan_positions(pre: Snapshot, post: Snapshot, copied: set[int], finishing: str | None) -> _PlanPositions:
+    """``observe_plan``'s walk over the active requests' tables. O(requests x table)."""
+    groups, bs = pre["engine"]["config"]["groups"], _block_size(pre)
+    before, after = pre["scheduler"]["reqs_to_store"], post["scheduler"]["reqs_to_store"]
+    gpu_hash = pre["gpu_pool"]["block_hash"]
+    out = _PlanPositions()
+    for rid, r in pre["engine"]["requests"].items():
+        st, st_after = before.get(rid), after.get(rid)
+        if r["status"] == "finished":
+            continue
+        live_after = st_after is not None and not st_after["finished"]
+        for g, table in enumerate(r["table"]):
+            cursor = 0 if st is None or st["finished"] else st["num_stored_blocks"][g]
+            if live_after:
+                cursor = min(cursor, st_after["num_stored_blocks"][g])
+            out.new_work.update(b for b in table[cursor:] if b != 0)
+            out.held.update(table)
+            if st is None or st["finished"]:
+                continue
+            if rid == finishing:
+                end = max((p + 1 for p in range(cursor, len(table)) if table[p] in copied), default=cursor)
+            elif live_after:
+                end = st_after["num_stored_blocks"][g]
+            else:
+                continue
+            for p in range(max(st["num_stored_blocks"][g], _floor(groups, g, r, bs)),
+                           min(end, len(table), len(r["block_hashes"]))):
+                b = table[p]
+                if b != 0 and gpu_hash[b] == f"{r['block_hashes'][p]}:{g}":
+                    out.passed.append(gpu_hash[b])
+    return out
 
 
 # -- I1-I3: pools ----------------------------------------------------------------------------
