@@ -55,7 +55,7 @@ banner "vLLM conformance stage passed"
 # failures until the engine is fixed; a divergence of an unknown cause fails the stage.
 rc=0
 KVSPEC_REQUIRE_VLLM=1 timeout 240 .vllm-venv/bin/python -m pytest -q -rs -m vllm -p no:cacheprovider \
-  tests/test_vllm_scheduler.py || rc=$?
+  -s tests/test_vllm_scheduler.py || rc=$?
 if [ "$rc" = 124 ]; then
   banner "vLLM scheduler lockstep FAILED: timed out after 240 s"
   exit 1

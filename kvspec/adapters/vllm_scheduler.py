@@ -163,7 +163,8 @@ def observe_step(out: Any, meta: Any) -> StepObservation:
 
 
 def _import_scheduler_vllm() -> SimpleNamespace:
-    """vLLM's scheduler-side classes; ``ConfigError`` when vLLM 0.33.0 is not importable."""
+    """vLLM's scheduler-side classes; ``ConfigError`` when vLLM 0.33.0 is not importable. Sets
+    ``HF_HUB_OFFLINE=1`` unless it is set: the local model needs no hub."""
     from kvspec.adapters.vllm import _import_vllm
 
     base = _import_vllm()  # checks the version, quiets the manager's warnings

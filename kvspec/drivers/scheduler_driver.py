@@ -70,7 +70,6 @@ class VllmSchedulerDriver:
         self.serial: dict[str, int] = {}  # creation order of every request ever added
         self.reports_left: dict[int, int] = {}
         self.loads_shipped: dict[str, int] = {}
-        self.last_op: str | None = None
 
     @property
     def last_step(self) -> StepObservation:
@@ -95,9 +94,7 @@ class VllmSchedulerDriver:
             inspect.signature(handler).bind(**args)
         except TypeError as exc:
             raise InvalidOperationError(f"bad arguments for {name}: {exc}") from None
-        result = handler(**args)
-        self.last_op = name
-        return result
+        return handler(**args)
 
     # -- operations --------------------------------------------------------------------------
 
