@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,29 @@ def _request_list(value: object, what: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise InvalidOperationError(f"{what} must be a list of request ids (strings), got {echo(value)}")
     return list(value)
+
+
+def check_step_args(admit: object, chunk: object, preempt: object, resume: object,
+                    status_of: Callable[[object], str]) -> tuple[list[str], list[str]]:
+    """The checks of a ``step`` operation's arguments, shared by every driver that takes the
+    engine's operations: request lists, a chunk of 1..MAX_PROMPT_TOKENS, the resume mode, only
+    running (or loaded) requests preempted, only waiting or preempted ones admitted, no request
+    repeated. ``status_of`` reads a request's status. Returns (admit, preempt); changes nothing."""
+    admit_ids, preempt_ids = _request_list(admit, "admit"), _request_list(preempt, "preempt")
+    check_count(chunk, "chunk", MAX_PROMPT_TOKENS)
+    if chunk == 0:
+        raise InvalidCountError("chunk must be >= 1")
+    if not isinstance(resume, str) or resume not in ("mrv1", "mrv2"):
+        raise InvalidOperationError(f"resume must be 'mrv1' or 'mrv2', got {echo(resume)}")
+    for rid in preempt_ids:
+        if (status := status_of(rid)) not in (RUNNING, LOADED):
+            raise InvalidOperationError(f"cannot preempt {rid}: it is {status}")
+    for rid in admit_ids:
+        if (status := status_of(rid)) not in (WAITING, PREEMPTED) and rid not in preempt_ids:
+            raise InvalidOperationError(f"cannot admit {rid}: it is {status}")
+    if len(set(admit_ids)) != len(admit_ids) or len(set(preempt_ids)) != len(preempt_ids):
+        raise InvalidOperationError("admit and preempt must not repeat a request")
+    return admit_ids, preempt_ids
 
 
 @dataclass
@@ -204,20 +228,7 @@ class Engine:
     def op_step(self, admit: list[str] | None = None, chunk: int = 64, preempt: list[str] | None = None,
                 resume: str = "mrv1") -> ConnectorMetadata:
         """One engine step (schedule, build_connector_meta, forward, sample)."""
-        admit, preempt = _request_list(admit, "admit"), _request_list(preempt, "preempt")
-        check_count(chunk, "chunk", MAX_PROMPT_TOKENS)
-        if chunk == 0:
-            raise InvalidCountError("chunk must be >= 1")
-        if not isinstance(resume, str) or resume not in ("mrv1", "mrv2"):
-            raise InvalidOperationError(f"resume must be 'mrv1' or 'mrv2', got {echo(resume)}")
-        for rid in preempt:
-            if (status := self._status(rid)) not in (RUNNING, LOADED):
-                raise InvalidOperationError(f"cannot preempt {rid}: it is {status}")
-        for rid in admit:
-            if (status := self._status(rid)) not in (WAITING, PREEMPTED) and rid not in preempt:
-                raise InvalidOperationError(f"cannot admit {rid}: it is {status}")
-        if len(set(admit)) != len(admit) or len(set(preempt)) != len(preempt):
-            raise InvalidOperationError("admit and preempt must not repeat a request")
+        admit, preempt = check_step_args(admit, chunk, preempt, resume, self._status)
 
         self.converging_step = not admit and self._quiescent()
         out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData())

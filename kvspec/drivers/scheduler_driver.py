@@ -45,7 +45,7 @@ from kvspec.drivers.engine import (
     RUNNING,
     WAITING,
     WAITING_FOR_REMOTE,
-    _request_list,
+    check_step_args,
     prompt_tokens,
 )
 
@@ -130,20 +130,7 @@ class VllmSchedulerDriver:
                     resume: object) -> tuple[list[str], list[str]]:
         """The engine's checks of a step, then ``OutsideVllmError`` for preempting a request vLLM
         does not hold as running. Changes nothing."""
-        admit_ids, preempt_ids = _request_list(admit, "admit"), _request_list(preempt, "preempt")
-        check_count(chunk, "chunk", MAX_PROMPT_TOKENS)
-        if chunk == 0:
-            raise InvalidCountError("chunk must be >= 1")
-        if not isinstance(resume, str) or resume not in ("mrv1", "mrv2"):
-            raise InvalidOperationError(f"resume must be 'mrv1' or 'mrv2', got {echo(resume)}")
-        for rid in preempt_ids:
-            if (status := self.status(rid)) not in (RUNNING, LOADED):
-                raise InvalidOperationError(f"cannot preempt {rid}: it is {status}")
-        for rid in admit_ids:
-            if (status := self.status(rid)) not in (WAITING, PREEMPTED) and rid not in preempt_ids:
-                raise InvalidOperationError(f"cannot admit {rid}: it is {status}")
-        if len(set(admit_ids)) != len(admit_ids) or len(set(preempt_ids)) != len(preempt_ids):
-            raise InvalidOperationError("admit and preempt must not repeat a request")
+        admit_ids, preempt_ids = check_step_args(admit, chunk, preempt, resume, self.status)
         for rid in preempt_ids:
             if not self.vllm.is_running(rid):
                 raise OutsideVllmError(f"preempt {rid}: its load completed but vLLM has not scheduled it "
