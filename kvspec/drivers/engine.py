@@ -80,6 +80,25 @@ def _request_list(value: object, what: str) -> list[str]:
     return list(value)
 
 
+def bind_operation(driver: object, op: object, ops: tuple[str, ...]) -> tuple[str, Callable[..., Any], dict[str, Any]]:
+    """A trace operation bound to ``driver``'s handler ``op_<name>`` before it runs: an operation
+    that is not a dict, an unknown name or arguments the handler's signature refuses are an
+    ``InvalidOperationError`` (nothing ran), so whatever the handler raises later is its own.
+    Shared by every driver that takes the engine's operations. Returns (name, handler, args)."""
+    if not isinstance(op, dict):
+        raise InvalidOperationError(f"an operation must be a dict with an \"op\" key, got {echo(op)}")
+    name = op.get("op")
+    if not isinstance(name, str) or name not in ops:
+        raise InvalidOperationError(f"unknown operation {echo(name)}; known: {', '.join(ops)}")
+    handler = getattr(driver, f"op_{name}")
+    args = {k: v for k, v in op.items() if k != "op"}
+    try:
+        inspect.signature(handler).bind(**args)
+    except TypeError as exc:
+        raise InvalidOperationError(f"bad arguments for {name}: {exc}") from None
+    return name, handler, args
+
+
 def check_step_args(admit: object, chunk: object, preempt: object, resume: object,
                     status_of: Callable[[object], str]) -> tuple[list[str], list[str]]:
     """The checks of a ``step`` operation's arguments, shared by every driver that takes the
@@ -188,17 +207,7 @@ class Engine:
         argument is a rejection (``InvalidOperationError``, nothing changed) while any
         exception raised inside the handler, ``TypeError`` included, propagates as what it
         is: a crash of the engine or of the target, never "bad input"."""
-        if not isinstance(op, dict):
-            raise InvalidOperationError(f"an operation must be a dict with an \"op\" key, got {echo(op)}")
-        name = op.get("op")
-        if not isinstance(name, str) or name not in self.OPS:
-            raise InvalidOperationError(f"unknown operation {echo(name)}; known: {', '.join(self.OPS)}")
-        handler = getattr(self, f"op_{name}")
-        args = {k: v for k, v in op.items() if k != "op"}
-        try:
-            inspect.signature(handler).bind(**args)
-        except TypeError as exc:
-            raise InvalidOperationError(f"bad arguments for {name}: {exc}") from None
+        name, handler, args = bind_operation(self, op, self.OPS)
         previous_plan, self.last_plan = self.last_plan, None
         try:
             result = handler(**args)

@@ -23,7 +23,6 @@ the engine's names; ``last_step`` is the last ``schedule()`` as a ``StepObservat
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from kvspec.adapters.vllm_scheduler import SchedulerOptions, StepObservation, VllmScheduler
@@ -45,6 +44,7 @@ from kvspec.drivers.engine import (
     RUNNING,
     WAITING,
     WAITING_FOR_REMOTE,
+    bind_operation,
     check_step_args,
     prompt_tokens,
 )
@@ -83,17 +83,7 @@ class VllmSchedulerDriver:
 
     def apply(self, op: dict[str, Any]) -> Any:
         """Run one trace operation, checked as ``Engine.apply`` checks it (same rejections)."""
-        if not isinstance(op, dict):
-            raise InvalidOperationError(f"an operation must be a dict with an \"op\" key, got {echo(op)}")
-        name = op.get("op")
-        if not isinstance(name, str) or name not in self.OPS:
-            raise InvalidOperationError(f"unknown operation {echo(name)}; known: {', '.join(self.OPS)}")
-        handler = getattr(self, f"op_{name}")
-        args = {k: v for k, v in op.items() if k != "op"}
-        try:
-            inspect.signature(handler).bind(**args)
-        except TypeError as exc:
-            raise InvalidOperationError(f"bad arguments for {name}: {exc}") from None
+        _, handler, args = bind_operation(self, op, self.OPS)
         return handler(**args)
 
     # -- operations --------------------------------------------------------------------------
