@@ -242,52 +242,6 @@ def no_amplification(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
     return r, d, {}
 
 
-def cross_request_dedup() -> tuple[str, str, dict[str, Any]]:
-    """Repair C3 across requests (symbolic N): records of two requests sharing keys; the
-    candidates are taken one per key in record order (A's, then B's), and a re-store needs
-    an uncovered key. Then no key is re-stored twice and every re-stored key is a lost
-    key, so re-stores <= distinct lost keys."""
-    def bools(name: str) -> z3.ArrayRef:
-        return z3.Array(name, z3.IntSort(), z3.BoolSort())
-
-    a_lost, b_lost = bools("A.lost"), bools("B.lost")
-    a_key = z3.Array("A.key", z3.IntSort(), z3.IntSort())
-    b_key = z3.Array("B.key", z3.IntSort(), z3.IntSort())
-    covered = bools("covered")  # by key
-    na, nb = z3.Ints("A.N B.N")
-    p, q, r = z3.Ints("p q r")
-    a_rest, b_rest = bools("A.rest"), bools("B.rest")
-
-    def cand_a(i: Any) -> z3.BoolRef:
-        return z3.And(0 <= i, i < na, a_lost[i], z3.Not(covered[a_key[i]]))
-
-    def cand_b(i: Any) -> z3.BoolRef:  # used positively only, so the inner "no A candidate" is universal
-        return z3.And(0 <= i, i < nb, b_lost[i], z3.Not(covered[b_key[i]]),
-                      z3.ForAll([r], z3.Implies(cand_a(r), a_key[r] != b_key[i])))
-
-    assumptions = [
-        # chained hashes: one request's positions have distinct keys
-        z3.ForAll([p, q], z3.Implies(z3.And(0 <= p, p < q, q < na), a_key[p] != a_key[q])),
-        z3.ForAll([p, q], z3.Implies(z3.And(0 <= p, p < q, q < nb), b_key[p] != b_key[q])),
-        z3.ForAll([p], z3.Implies(a_rest[p], cand_a(p))),
-        z3.ForAll([p], z3.Implies(b_rest[p], cand_b(p))),
-    ]
-    goal = z3.And(
-        z3.ForAll([p, q], z3.Implies(z3.And(a_rest[p], b_rest[q]), a_key[p] != b_key[q])),
-        z3.ForAll([p, q], z3.Implies(z3.And(a_rest[p], a_rest[q], p != q), a_key[p] != a_key[q])),
-        z3.ForAll([p, q], z3.Implies(z3.And(b_rest[p], b_rest[q], p != q), b_key[p] != b_key[q])),
-        z3.ForAll([p], z3.Implies(a_rest[p], z3.And(a_lost[p], z3.Not(covered[a_key[p]])))),
-        z3.ForAll([p], z3.Implies(b_rest[p], z3.And(b_lost[p], z3.Not(covered[b_key[p]])))),
-    )
-    i = z3.Int("i")
-    witness = [na == 2, nb == 2, a_key == z3.Lambda([i], i + 1), b_key == z3.Lambda([i], i + 2),
-               a_lost == z3.K(z3.IntSort(), z3.BoolVal(True)), b_lost == z3.K(z3.IntSort(), z3.BoolVal(True)),
-               covered == z3.K(z3.IntSort(), z3.BoolVal(False)),
-               a_rest == z3.Lambda([i], z3.And(0 <= i, i < 2)), b_rest == z3.Lambda([i], i == 1)]
-    r_, d = _valid(assumptions, goal, witness)
-    return r_, d, {}
-
-
 def scans_agree(policy: str, G: int, M: int = BOUND) -> tuple[str, str, dict[str, Any]]:
     """The relational (quantified) scan and the unrolled scan give the same cursors and the
     same selections on every state with N <= M (one check per length and cursor, which keeps
@@ -808,8 +762,6 @@ def catalogue(quick: bool = False) -> list[Obligation]:
                               "only confirmed, owned, hashed positions are stored"))
     obs.append(Obligation("no-amplification", "repair", "proof", lambda: no_amplification(Quant(1)),
                           "re-stores consume distinct pending lost records of uncovered keys"))
-    obs.append(Obligation("no-amplification-cross-request", "repair", "proof", cross_request_dedup,
-                          "re-stored keys are distinct across requests"))
     obs.append(Obligation("no-lookback", "baseline", "proof", lambda: no_lookback(Quant(1), "baseline"),
                           "the baseline scan never selects below the cursor"))
     # expected counterexamples (the FIXME and the #47235 hazards)
@@ -876,7 +828,7 @@ def catalogue(quick: bool = False) -> list[Obligation]:
                                                           use_hint=True)))
     obs.append(Obligation("vacuity:lost-record", "repair", "vacuity",
                           lambda: witness(Quant(1), "repair", evict, _lost_record, prop="c2")))
-    return obs + existence_and_cover(groups)
+    return obs + existence_and_cover(groups) + convergence_obligations() + keylevel_obligations()
 
 
 def existence_and_cover(groups: tuple[int, ...]) -> list[Obligation]:
@@ -917,3 +869,70 @@ def run_all(obs: list[Obligation] | None = None,
             progress(ob, res)
         out.append(res)
     return out
+
+
+# -- convergence (C4): a ranking function -------------------------------------------------------
+
+
+def _valid3(assumptions: list[z3.BoolRef], goal: z3.BoolRef, wit: list[z3.BoolRef] | None) -> tuple[str, str]:
+    return _valid(assumptions, goal, wit)
+
+
+def _sat1(assumptions: list[z3.BoolRef]) -> tuple[str, dict[str, Any]]:
+    return _sat(assumptions)
+
+
+def convergence_obligations() -> list[Obligation]:
+    """C4 as a ranking proof (``specs/convergence.py``): invariant, non-increasing under E1,
+    a fair round empties the pending set, a counterexample per dropped assumption, a witness."""
+    from kvspec.specs import convergence as cv
+
+    def steps(kind: str, enc: Encoding) -> Callable[[], tuple[str, str, dict[str, Any]]]:
+        fn = {"invariant": cv.invariant, "non-increasing": cv.non_increasing,
+              "round-decreases": cv.round_decreases}[kind]
+        return lambda: _all_steps(fn(enc, _valid3, hint))
+
+    obs: list[Obligation] = []
+    for kind, statement in (("invariant", "C2, the owner index, records only below an active cursor: inductive"),
+                            ("non-increasing", "E1 (no eviction of the working set): the pending set never grows"),
+                            ("round-decreases", "E1-E3: a fair round (plan ; repair-phase with room) empties it")):
+        obs.append(Obligation(f"convergence:{kind}", "repair", "proof", steps(kind, Quant(1)), statement))
+        obs.append(Obligation(f"bounded:convergence:{kind}[N<={BOUND}]", "repair", "bounded",
+                              steps(kind, Unrolled(1, BOUND)), statement + " (integer rank)"))
+    for a, statement in (("E1", "an eviction of the working set raises the rank"),
+                         ("E2", "a round without room leaves a non-zero rank"),
+                         ("E3", "without a round, an environment step keeps a non-zero pending set")):
+        obs.append(Obligation(f"convergence:drop-{a}", "repair", "counterexample",
+                              lambda a=a: (*cv.drop(a, Unrolled(1, BOUND), _sat1), {}), statement))
+    obs.append(Obligation("witness:convergence", "repair", "witness",
+                          lambda: reach("repair", cv.WITNESS_RUN, cv.witness_run),
+                          "a run reaches a non-zero rank and a round brings it to zero"))
+    return obs
+
+
+# -- key level: any number of requests sharing keys ---------------------------------------------
+
+
+def _valid_or_refuted(assumptions: list[z3.BoolRef], goal: z3.BoolRef,
+                      wit: list[z3.BoolRef] | None) -> tuple[str, str]:
+    """``_valid``; when the refutation half gives up (quantifiers), a counterexample on the
+    concrete witness state still decides ``fails`` (a model of the stronger formula is a model)."""
+    r, d = _valid(assumptions, goal, wit)
+    if r == "unknown" and wit:
+        r2, _ = _sat([*assumptions, *wit, z3.Not(goal)])
+        if r2 == "sat":
+            return "fails", "counterexample on the concrete witness state"
+    return r, d
+
+
+def keylevel_obligations() -> list[Obligation]:
+    """C2 + C3 + I1 for any number of requests sharing keys (``specs/keylevel.py``)."""
+    from kvspec.specs import keylevel as kl
+
+    return [
+        Obligation("keylevel:inductive", "repair", "proof", lambda: _all_steps(kl.inductive(_valid_or_refuted)),
+                   "I1, in-flight dedup, C2, owner index, records: inductive for any number of requests "
+                   "sharing keys"),
+        Obligation("keylevel:no-amplification", "repair", "proof", lambda: _all_steps(kl.c3(_valid_or_refuted)),
+                   "C3: each re-stored key is one transfer of a lost, uncovered key, across all requests"),
+    ]
