@@ -34,11 +34,12 @@ policy exists in vLLM 0.33.0.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, overload
 
+from kvspec.adapters import vllm_compat as compat
 from kvspec.contract.checks import (
     check_block_ids,
     check_block_key,
@@ -138,7 +139,7 @@ class _FreeQueueView:
         self._queue = queue
 
     def __iter__(self) -> Iterator[int]:
-        return (b.block_id for b in self._queue.iter_blocks_after(None))
+        return (b.block_id for b in compat.free_blocks_in(self._queue))
 
     def __len__(self) -> int:
         return int(self._queue.num_free_blocks)
@@ -168,10 +169,10 @@ def pool_snapshot(pool: Any) -> dict[str, Any]:
         pool.num_gpu_blocks,
         (b.ref_cnt for b in pool.blocks),
         (None if b.block_hash is None else _key_text(b.block_hash) for b in pool.blocks),
-        (b.block_id for b in pool.free_block_queue.iter_blocks_after(None)),
+        (b.block_id for b in compat.free_blocks_in(pool.free_block_queue)),
         _cached_map(pool),
     )
-    if pool.cached_block_hashes_by_block:
+    if getattr(pool, "cached_block_hashes_by_block", None):  # secondary keys: not in every release
         snap["secondary"] = {
             str(b): sorted(_key_text(k) for k in keys)
             for b, keys in sorted(pool.cached_block_hashes_by_block.items())
@@ -221,7 +222,7 @@ class VllmPool:
         current = None if block.block_hash is None else _key_text(block.block_hash)
         if check_key_change(self.name, block_id, current, f"{key[0]}:{key[1]}"):
             return
-        self.pool._insert_block_hash(key_to_bytes(key), block, num_tokens=None)
+        compat.insert_block_hash(self.pool, key_to_bytes(key), block)
 
     def get_cached_block(self, block_hash: str, group_ids: list[int]) -> list[int] | None:
         check_cached_block_query(block_hash, group_ids, self.num_groups, self.name)
@@ -282,25 +283,16 @@ class VllmTarget:
         self._v = vllm
         self.num_groups = config.num_groups
         self.block_size = config.block_size
+        self.release: compat.Release = getattr(vllm, "release", compat.Release(VLLM_VERSION))
+        self._lookup_local: dict[str, int] = {}  # computed tokens at each lookup (2-tuple pins)
         kv_cache_config, page_bytes = self.kv_cache_config_for(vllm, config)
-        vllm_config = SimpleNamespace(
-            kv_events_config=None,
-            parallel_config=SimpleNamespace(decode_context_parallel_size=1, world_size=config.world_size),
-            speculative_config=None,
-            model_config=SimpleNamespace(max_model_len=_MAX_MODEL_LEN),
-            max_in_flight_tokens=config.max_num_batched_tokens,
-            num_prefill_lookahead_tokens=0,
-            scheduler_config=SimpleNamespace(max_num_batched_tokens=config.max_num_batched_tokens),
-        )
+        capacity = compat.cpu_capacity_bytes(self.release, vllm.KVCacheTensor, page_bytes, config.num_groups,
+                                             config.num_cpu_blocks)
         self.manager = vllm.SimpleCPUOffloadScheduler(
-            vllm_config,
-            kv_cache_config,
-            cpu_capacity_bytes=page_bytes * config.num_cpu_blocks,
-            scheduler_block_size=config.block_size,
-            hash_block_size=config.block_size,
-            lazy_offload=config.lazy_offload,
-            num_cpu_blocks=config.num_cpu_blocks,
-        )
+            compat.vllm_config(config, _MAX_MODEL_LEN), kv_cache_config,
+            **compat.manager_kwargs(self.release, config, capacity))
+        compat.check_cpu_blocks(self.release, self.manager, config.num_cpu_blocks)
+        compat.fill_absent_state(self.manager)
         gpu = vllm.BlockPool(config.num_gpu_blocks, enable_caching=True, hash_block_size=config.block_size)
         self.manager.bind_gpu_block_pool(gpu)
         self.gpu_pool = VllmPool(gpu, "gpu", config.num_groups)
@@ -321,8 +313,7 @@ class VllmTarget:
             page = kv_spec.page_size_bytes
             page_bytes = page_bytes or page
             layer = f"layer.{g}"
-            tensors.append(v.KVCacheTensor(size=page * cfg.num_gpu_blocks, layers=[layer],
-                                           layer_stride=page * cfg.num_gpu_blocks, block_stride=page))
+            tensors.append(compat.kv_cache_tensor(v.KVCacheTensor, page, cfg.num_gpu_blocks, layer))
             groups.append(v.KVCacheGroupSpec([layer], kv_spec))
         return v.KVCacheConfig(num_blocks=cfg.num_gpu_blocks, kv_cache_tensors=tensors,
                                kv_cache_groups=groups), page_bytes
@@ -382,6 +373,7 @@ class VllmTarget:
             hash_to_bytes(h)
         req = self._mirror(request)
         self._sync_known()
+        self._lookup_local[request.request_id] = num_computed_tokens
         n, is_async = self.manager.get_num_new_matched_tokens(req, num_computed_tokens)
         return int(n or 0), bool(is_async)
 
@@ -403,7 +395,7 @@ class VllmTarget:
         """The model's rules for accepting ``ext`` tokens of the pinned hit ``pending``
         (``kvspec.contract.checks``): aligned, within the hit, one load per request, and a GPU
         block allocated at every position the load fills."""
-        hits, hit_len, local = pending
+        hits, hit_len, local = compat.pending_hit(pending, self._lookup_local.get(rid, 0))
         check_load_acceptance(rid, ext, self.block_size, hit_len, rid in self.manager._reqs_to_load)
         start = local // self.block_size
         for g, group_hits in enumerate(hits):
@@ -462,6 +454,7 @@ class VllmTarget:
             finished_req_ids=set(out.finished_req_ids),
             free_encoder_mm_hashes=[],
             preempted_req_ids=set(out.preempted_req_ids),
+            **compat.scheduler_output_extra(v.SchedulerOutput, self.num_groups),
         )
 
     # -- OffloadTarget: worker reports --------------------------------------------------------
@@ -507,6 +500,8 @@ class VllmTarget:
         return bool(done), None
 
     def reset(self) -> bool:
+        if not self.release.has_reset:
+            return False  # the release's connector has no reset: refused, nothing changes
         return bool(self.manager.reset())
 
     def has_pending_stores(self) -> bool:
@@ -519,11 +514,11 @@ class VllmTarget:
         return {
             "gpu_pool": self.gpu_pool.snapshot(),
             "cpu_pool": pool_snapshot(self.manager.cpu_block_pool),
-            "scheduler": self.manager_snapshot(self.manager, self.policy_name),
+            "scheduler": self.manager_snapshot(self.manager, self.policy_name, self._lookup_local),
         }
 
     @staticmethod
-    def manager_snapshot(mgr: Any, policy: str) -> dict[str, Any]:
+    def manager_snapshot(mgr: Any, policy: str, lookup_local: dict[str, int] | None = None) -> dict[str, Any]:
         """A ``SimpleCPUOffloadScheduler``'s state as the canonical scheduler section."""
 
         def transfer(t: Any) -> Transfer:
@@ -537,7 +532,7 @@ class VllmTarget:
             lazy=mgr._lazy_mode,
             lazy_cursor=None if mgr._cursor is None else mgr._cursor.block_id,
             pending_cpu_hits={r: ([[b.block_id for b in g] for g in blocks], hit_len, local)
-                              for r, (blocks, hit_len, local) in mgr._pending_cpu_hits.items()},
+                              for r, (blocks, hit_len, local) in compat.pending_hits(mgr, lookup_local or {})},
             reqs_to_load={r: load(st) for r, st in mgr._reqs_to_load.items()},
             abandoned_reqs_to_load={r: load(st) for r, st in mgr._abandoned_reqs_to_load.items()},
             load_event_to_reqs=mgr._load_event_to_reqs,
@@ -558,8 +553,13 @@ class VllmTarget:
 # -- factory ---------------------------------------------------------------------------------
 
 
-def _import_vllm() -> SimpleNamespace:
-    """vLLM's classes, imported now; ``ConfigError`` when vLLM 0.33.0 is not importable."""
+def _import_vllm(release: str | None = None) -> SimpleNamespace:
+    """vLLM's classes, imported now; ``ConfigError`` when vLLM 0.33.0 (or ``release``) is not importable."""
+    if release is not None:
+        rel = compat.installed_release(release)
+        ns = _import_classes(release)
+        ns.release = rel
+        return ns
     try:
         import importlib.metadata as metadata
 
@@ -571,6 +571,10 @@ def _import_vllm() -> SimpleNamespace:
         ) from None
     if version != VLLM_VERSION:
         raise ConfigError(f"the 'vllm' target is written against vLLM {VLLM_VERSION}, found {version}")
+    return _import_classes(VLLM_VERSION)
+
+
+def _import_classes(version: str) -> SimpleNamespace:
     try:
         import torch
         from vllm.sampling_params import SamplingParams
@@ -590,7 +594,7 @@ def _import_vllm() -> SimpleNamespace:
         from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
     except ImportError as exc:
-        raise ConfigError(f"vLLM {VLLM_VERSION} is installed but cannot be imported: {exc}") from None
+        raise ConfigError(f"vLLM {version} is installed but cannot be imported: {exc}") from None
     # The manager warns on paths the engine model drives on purpose (a pin dropped by a
     # new lookup, a refused reset); keep the harness output readable.
     for name in ("vllm.v1.simple_kv_offload.manager", "vllm.v1.core.block_pool"):
@@ -622,6 +626,20 @@ def make_vllm_target(config: OffloadConfig) -> VllmTarget:
             f"vLLM {VLLM_VERSION} implements only the 'baseline' policy, not {config.policy!r}"
         )
     return VllmTarget(config, _import_vllm())
+
+
+def release_factory(version: str) -> Callable[[OffloadConfig], VllmTarget]:
+    """The factory of target ``vllm@VERSION``. Building a target in a process whose vLLM is another release is a
+    ``ConfigError`` naming the venv to use."""
+    compat.parse_release(version)
+
+    def make(config: OffloadConfig) -> VllmTarget:
+        config.validate()
+        if config.policy != "baseline":
+            raise ConfigError(f"vLLM {version} implements only the 'baseline' policy, not {config.policy!r}")
+        return VllmTarget(config, _import_vllm(version))
+
+    return make
 
 
 # -- the oracle of vLLM 0.33.0 ------------------------------------------------------------------

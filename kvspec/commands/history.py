@@ -1,0 +1,223 @@
+"""``kvspec history``: the invariant fuzzer on each real vLLM release, findings side by side.
+
+For each release (``--versions``, default ``kvspec.adapters.vllm_compat.RELEASES``) kvspec runs
+itself in that release's venv (``.vllm-venvs/VERSION``, built by
+``scripts/setup-vllm-release.sh``) as a worker: random configurations and random engine traces on
+target ``vllm@VERSION``, the invariants the baseline claims (plus C1) after every operation as the
+only oracle, no model alongside. Each finding is shrunk, saved under ``--out/VERSION/``, reported,
+and then taken out of the search (its invariant leaves the oracle, a crash of the same operation
+and exception type is not reported again), so a rule broken on every step is reported once and
+the search goes on for the others, until ``--budget`` seconds per release are spent.
+
+Three outcomes stay apart: a *violation* (an invariant broke after an accepted operation), a
+*crash* (vLLM raised something other than kvspec's own refusal), a *rejection* (the target
+refused an operation the engine model generated as valid: a gap of the adapter, not a vLLM bug).
+
+The table: release x finding, with the seconds into the release's search at which it was found,
+the shrunk trace's length and the public vLLM issue it matches where one was verified against the
+release's code (``KNOWN``). Progress goes to stderr. Exit codes: 0 nothing found, 1 findings,
+2 bad arguments or a missing venv, 3 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvspec.adapters import vllm_compat as compat
+from kvspec.commands.fuzz import budget_seconds
+from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError
+
+NAME = "history"
+HELP = "fuzz each real vLLM release with the invariants as the only oracle; table of findings"
+EPILOG = "exit codes: 0 nothing found, 1 findings, 2 bad input or a missing venv, 3 internal error"
+
+
+@dataclass(frozen=True)
+class Known:
+    """A public vLLM issue: the finding it explains, in the releases whose code has the cause."""
+
+    issue: str
+    kind: str
+    what: str  # invariant id or exception type
+    first: str  # first release with the cause
+    fixed: str | None  # first release without it (None: still there in 0.33.0)
+    why: str
+
+
+#: Findings matched to public issues, each checked against the releases' sources.
+KNOWN = (
+    Known("#53498", "violation", "I3", "0.19.0", "0.30.0",
+          "store destinations stamped with their hash when the store is planned (manager: "
+          "cpu_blk._block_hash = ... in the store preparation), entered in the prefix map only when "
+          "the store completes: a CPU block is hashed but not in the map for as long as its store flies"),
+    Known("FIXME (0.33.0)", "violation", "C1", "0.19.0", None,
+          "the lazy cursor survives an eviction of the block it points at (stale cursor)"),
+)
+
+
+def issue_for(version: str, kind: str, what: str) -> str:
+    rel = compat.Release(version)
+    for k in KNOWN:
+        fixed = k.fixed is not None and rel.at_least(k.fixed)
+        if k.kind == kind and k.what == what and rel.at_least(k.first) and not fixed:
+            return k.issue
+    return "no public issue"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = EPILOG
+    p.add_argument("--versions", default=",".join(compat.RELEASES),
+                   help=f"comma-separated releases (default {','.join(compat.RELEASES)})")
+    p.add_argument("--budget", type=budget_seconds, default=300.0, help="seconds of search per release (default 300)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON row per finding")
+    p.add_argument("--out", default="fuzz-out/history",
+                   help="directory for the shrunk traces (default fuzz-out/history)")
+    p.add_argument("--worker", metavar="VERSION", default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker is not None:
+        return _worker(args)
+    versions = [v.strip() for v in args.versions.split(",") if v.strip()]
+    for v in versions:
+        compat.parse_release(v)
+    missing = [v for v in versions if not (compat.venv_for(v) / "bin" / "python").exists()]
+    if missing:
+        raise ConfigError("no venv for vLLM " + ", ".join(missing) + "; build each with "
+                          "scripts/setup-vllm-release.sh VERSION")
+    rows: list[dict[str, Any]] = []
+    for v in versions:
+        rows.extend(_run_release(v, args))
+    _print(rows, versions, args.json)
+    return EXIT_FINDING if rows else EXIT_CLEAN
+
+
+def _run_release(version: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The worker in ``version``'s venv; its JSON rows (progress passes through on stderr)."""
+    python = compat.venv_for(version) / "bin" / "python"
+    cmd = [str(python), "-m", "kvspec.cli", "history", "--worker", version, "--budget", str(args.budget),
+           "--seed", str(args.seed), "--out", str(args.out)]
+    print(f"history: vLLM {version}: fuzzing for {args.budget:.0f}s ({python})", file=sys.stderr)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.budget * 2 + 300)
+    if proc.returncode not in (EXIT_CLEAN, EXIT_FINDING):
+        raise ConfigError(f"the vLLM {version} worker exited {proc.returncode} (its message is above)")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def _print(rows: list[dict[str, Any]], versions: list[str], as_json: bool) -> None:
+    if as_json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    print(f"{'release':<8} {'kind':<10} {'finding':<34} {'seconds':>7} {'ops':>4}  issue")
+    for v in versions:
+        mine = [r for r in rows if r["version"] == v]
+        if not mine:
+            print(f"{v:<8} {'-':<10} {'nothing found':<34}")
+        for r in mine:
+            print(f"{v:<8} {r['kind']:<10} {r['finding'][:34]:<34} {r['seconds']:>7.1f} {r['trace_ops']:>4}  "
+                  f"{r['issue']}")
+
+
+# -- the worker, inside one release's venv -----------------------------------------------------
+
+
+def _config(rng: random.Random) -> OffloadConfig:
+    block = rng.choice((1, 4, 16))
+    groups: tuple[KVGroup, ...] = (KVGroup(),)
+    if rng.random() < 0.35:
+        groups = (KVGroup(), KVGroup("sliding", sliding_window=block * rng.choice((1, 2, 3))))
+    elif rng.random() < 0.15:
+        groups = (KVGroup(), KVGroup())
+    return OffloadConfig(block_size=block, num_gpu_blocks=rng.choice((12, 16, 24, 32)),
+                         num_cpu_blocks=rng.choice((4, 5, 6, 8, 12)), world_size=rng.choice((1, 1, 2)),
+                         groups=groups, policy="baseline", lazy_offload=rng.random() < 0.3)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    """Search ``vllm@VERSION`` for ``args.budget`` seconds; one JSON row per distinct finding."""
+    from kvspec.adapters.targets import get_factory
+    from kvspec.adapters.vllm import baseline_oracle
+
+    version = args.worker
+    factory = get_factory(f"{compat.TARGET_PREFIX}{version}")
+    rng = random.Random(args.seed)
+    start = time.monotonic()
+    seen: set[tuple[str | None, str | None]] = set()
+    found_ids: set[str] = set()
+    traces = ops = 0
+    while time.monotonic() - start < args.budget:
+        cfg = _config(rng)
+        skip = found_ids | set(compat.unclaimed(compat.Release(version)))
+        oracle = tuple(i for i in baseline_oracle(cfg) if i not in skip)
+        row = _one_trace(version, cfg, factory, oracle, rng, seen, start, args)
+        traces += 1
+        ops += row.pop("_ops") if row else 0
+        if row and "finding" in row:
+            if row["kind"] == "violation":
+                found_ids.add(row["invariant"])
+            print(json.dumps(row), flush=True)
+            print(f"history: vLLM {version}: {row['kind']} {row['finding']} at {row['seconds']:.1f}s "
+                  f"({row['trace_ops']} ops shrunk)", file=sys.stderr)
+        if traces % 10 == 0:
+            print(f"history: vLLM {version}: {traces} traces, {time.monotonic() - start:.0f}/{args.budget:.0f}s",
+                  file=sys.stderr)
+    print(f"history: vLLM {version}: done, {traces} traces in {time.monotonic() - start:.0f}s", file=sys.stderr)
+    return EXIT_FINDING if seen else EXIT_CLEAN
+
+
+def _one_trace(version: str, cfg: OffloadConfig, factory: Any, oracle: tuple[str, ...], rng: random.Random,
+               seen: set[tuple[str | None, str | None]], start: float, args: argparse.Namespace) -> dict[str, Any]:
+    """One random trace; a new finding, shrunk and saved, as a row (``_ops``: operations run)."""
+    from kvspec.drivers.harness import _finding_trace, finding_name, generate, save_trace, shrink
+    from kvspec.drivers.opgen import OpMix
+    from kvspec.oracle.oracles import Oracle
+
+    mix = OpMix(num_families=rng.choice([1, 2, 3]), readmit_preempted=True)
+    trace_ops, out = generate(cfg, factory, rng, 120, oracle, mix=mix, strict=True)
+    row: dict[str, Any] = {"_ops": len(trace_ops)}
+    sig = out.signature()
+    if not out.failed or sig in seen:
+        return row
+    if out.op_name == "(setup)":  # the release cannot build this configuration: not a finding
+        print(f"history: vLLM {version}: configuration not supported: {out.crash}", file=sys.stderr)
+        return row
+    seen.add(sig)
+    seconds = time.monotonic() - start
+    small, small_out = shrink(cfg, trace_ops, factory, oracle, out, time.monotonic() + 60.0)
+    kind = _kind(small_out)
+    what = small_out.violation.id if small_out.violation else (small_out.exception or "rejected")
+    target = f"{compat.TARGET_PREFIX}{version}"
+    trace = _finding_trace(cfg, small, target, args.seed, Oracle("claims of baseline", oracle), small_out)
+    path = save_trace(trace, Path(args.out) / version, finding_name(target, "baseline", what, trace))
+    text = str(small_out.violation) if small_out.violation else small_out.describe()
+    row.update(version=version, finding=f"{what}: {text}"[:300], kind=kind,
+               invariant=small_out.violation.id if small_out.violation else None, seconds=round(seconds, 1),
+               trace_ops=len(small), trace=str(path), issue=issue_for(version, kind, what))
+    return row
+
+
+def _kind(out: Any) -> str:
+    """violation, crash, or rejection (the target refused an operation generated as valid)."""
+    if out.kind == "expectation" or (out.kind == "crash" and out.exception in _KVSPEC_ERRORS):
+        return "rejection"
+    return str(out.kind)
+
+
+def _error_names() -> frozenset[str]:
+    from kvspec.contract import errors
+
+    return frozenset(n for n, c in vars(errors).items() if isinstance(c, type) and issubclass(c, errors.KVSpecError))
+
+
+_KVSPEC_ERRORS = _error_names()
