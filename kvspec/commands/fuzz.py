@@ -15,15 +15,19 @@ interrupted (statistics so far printed, findings kept).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvspec.adapters.targets import get_factory
 from kvspec.contract.config import POLICIES
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
+from kvspec.drivers.campaign import Distinct, check_workers, dedupe_key, run_workers, worker_seeds
 from kvspec.drivers.harness import FuzzResult, check_writable, finding_name, fuzz, save_trace
 from kvspec.drivers.trace import Trace
 from kvspec.oracle import oracles
@@ -51,7 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, choices=POLICIES,
                    help="policy (default: repair; baseline for vllm; a bug's own policy for bug:<name>)")
     p.add_argument("--budget", type=budget_seconds, default=60.0, help="seconds to search (default 60)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed (default 0); with --workers N, worker i runs seed*N+i")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes, each with its own seed for the whole budget; findings deduplicated "
+                        "(same invariant, same shrunk trace up to renaming requests) (default 1)")
     p.add_argument("--oracle", default=None, metavar="claims|all|ID,ID",
                    help="invariants that judge the run (default: claims, what the policy guarantees; "
                         "for bug:<name>, the catalogue's oracle of that variant)")
@@ -59,34 +67,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+@dataclass(frozen=True)
+class Job:
+    """One worker's fuzzing job (picklable: it crosses into the worker process)."""
+
+    target: str
+    policy: str
+    budget: float
+    oracle: str | None
+    out: str
+    quiet: bool  # no progress or "finding written" lines (--json, or more than one worker)
+
+
+@dataclass
+class WorkerResult:
+    seed: int
+    result: FuzzResult
+    saved: dict[str, Path] = field(default_factory=dict)
+
+
+def fuzz_one(job: Job, seed: int) -> WorkerResult:
+    """One worker: ``fuzz`` with ``seed``, every finding saved (with its page) as soon as it exists."""
+    factory = get_factory(job.target)
+    bug = job.target[4:] if job.target.startswith("bug:") else None
+    done = WorkerResult(seed, FuzzResult(False, 0.0, 0, 0))
+
+    def keep(trace: Trace, stage: str) -> None:
+        name = finding_name(job.target, job.policy, _oracle_label(job.oracle), trace, stage)
+        done.saved[stage] = save_trace(trace, job.out, name)
+        page = page_for_trace(trace, done.saved[stage], factory)
+        if not job.quiet:
+            print(f"\n{stage} finding written: {done.saved[stage]} (page: {page})", file=sys.stderr)
+
+    def progress(traces: int, ops: int, secs: float) -> None:
+        if not job.quiet and traces % 20 == 0:
+            print(f"\r{traces} traces, {ops} ops, {secs:.0f}/{job.budget:.0f}s", end="", file=sys.stderr)
+
+    done.result = fuzz(factory, job.policy, job.budget, seed, job.oracle, job.target, progress=progress,
+                       bug=bug, on_finding=keep)
+    return done
+
+
 def run(args: argparse.Namespace) -> int:
     oracles.check_spec(args.oracle)
-    factory = get_factory(args.target)
+    workers = check_workers(args.workers)
+    get_factory(args.target)  # an unknown target is a ConfigError before any work
     bug = args.target[4:] if args.target.startswith("bug:") else None
     policy = _default_policy(args.target, bug)
     if bug is not None and args.policy is not None and args.policy != policy:
         raise ConfigError(f"bug:{bug} runs under policy {policy!r}, not {args.policy!r}")
     policy = args.policy or policy
     check_writable(args.out)
-    saved: dict[str, Path] = {}
-
-    def keep(trace: Trace, stage: str) -> None:
-        name = finding_name(args.target, policy, _oracle_label(args.oracle), trace, stage)
-        saved[stage] = save_trace(trace, args.out, name)
-        page = page_for_trace(trace, saved[stage], factory)
+    job = Job(args.target, policy, args.budget, args.oracle, str(args.out), args.json or workers > 1)
+    start = time.monotonic()
+    if workers == 1:
+        results = [fuzz_one(job, args.seed)]
+    else:
         if not args.json:
-            print(f"\n{stage} finding written: {saved[stage]} (page: {page})", file=sys.stderr)
-
-    def progress(traces: int, ops: int, secs: float) -> None:
-        if not args.json and traces % 20 == 0:
-            print(f"\r{traces} traces, {ops} ops, {secs:.0f}/{args.budget:.0f}s", end="", file=sys.stderr)
-
-    res = fuzz(factory, policy, args.budget, args.seed, args.oracle, args.target, progress=progress, bug=bug,
-               on_finding=keep)
-    report(args, res, policy, saved)
-    if res.interrupted:
+            print(f"{workers} workers, seeds {', '.join(map(str, worker_seeds(args.seed, workers)))}",
+                  file=sys.stderr)
+        results = run_workers(functools.partial(fuzz_one, job), args.seed, workers)
+    report(args, results, policy, time.monotonic() - start)
+    if any(w.result.interrupted for w in results):
         return EXIT_INTERRUPTED
-    return EXIT_FINDING if res.found else EXIT_CLEAN
+    return EXIT_FINDING if any(w.result.found for w in results) else EXIT_CLEAN
 
 
 def _default_policy(target: str, bug: str | None) -> str:
@@ -101,32 +145,65 @@ def _oracle_label(spec: str | None) -> str:
     return "claims" if spec in (None, "claims") else str(spec)
 
 
-def report(args: argparse.Namespace, res: FuzzResult, policy: str, saved: dict[str, Path]) -> None:
+def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, wall: float) -> None:
+    """The campaign's statistics and its distinct findings, as text or one JSON object."""
+    distinct = Distinct()
+    for w in results:
+        res = w.result
+        trace = res.trace or res.unshrunk
+        if res.found and trace is not None and res.outcome is not None:
+            distinct.add(dedupe_key(res.outcome.signature(), trace.config.to_json(), trace.ops), w)
+    firsts: list[WorkerResult] = list(distinct.first.values())
+    lead = firsts[0] if firsts else results[0]
+    res, saved = lead.result, lead.saved
+    ops = sum(w.result.ops for w in results)
+    rate = sum(w.result.ops_per_second for w in results)  # the campaign's: each worker's rate, added
+    rare = {name: sum(w.result.rare.get(name, 0) for w in results) for name in res.rare}
+    rejected = sum(w.result.rejected for w in results)
+    interrupted = any(w.result.interrupted for w in results)
+    found = any(w.result.found for w in results)
     out: dict[str, Any] = {
-        "target": args.target, "policy": policy, "oracle": res.oracle, "found": res.found, "kind": res.kind,
-        "interrupted": res.interrupted, "seconds": round(res.seconds, 3), "traces": res.traces, "ops": res.ops,
-        "ops_per_second": round(res.ops_per_second, 1), "rejected": res.rejected, "rare_paths": res.rare,
+        "target": args.target, "policy": policy, "oracle": res.oracle, "found": found,
+        "kind": res.kind, "interrupted": interrupted, "seconds": round(wall if len(results) > 1 else res.seconds, 3),
+        "traces": sum(w.result.traces for w in results), "ops": ops, "ops_per_second": round(rate, 1),
+        "rejected": rejected, "rare_paths": rare,
         "finding": res.outcome.to_json() if res.found and res.outcome else None,
         "trace": str(saved["shrunk"]) if "shrunk" in saved else None,
         "unshrunk_trace": str(saved["unshrunk"]) if "unshrunk" in saved else None,
         "trace_ops": len(res.trace.ops) if res.trace else None,
+        "workers": len(results),
+        "per_worker": [{"seed": w.seed, "traces": w.result.traces, "ops": w.result.ops,
+                        "ops_per_second": round(w.result.ops_per_second, 1), "found": w.result.found}
+                       for w in results],
+        "findings": [{"kind": w.result.kind, "finding": w.result.outcome.to_json() if w.result.outcome else None,
+                      "seed": w.seed, "found_by": n, "trace": str(w.saved.get("shrunk")),
+                      "trace_ops": len(w.result.trace.ops) if w.result.trace else None,
+                      "unshrunk_trace": str(w.saved.get("unshrunk"))}
+                     for w, n in zip(firsts, distinct.count.values(), strict=True)],
     }
     if args.json:
         print(json.dumps(out))
         return
+    _print_report(out)
+
+
+def _print_report(out: dict[str, Any]) -> None:
     print(file=sys.stderr)
-    state = " (interrupted)" if res.interrupted else ""
-    print(f"{res.traces} traces, {res.ops} operations in {res.seconds:.1f}s ({res.ops_per_second:.0f} ops/s), "
-          f"oracle: {res.oracle}{state}")
-    if res.rejected:
-        print(f"  operations rejected cleanly by the target: {res.rejected}")
-    for name, n in res.rare.items():
+    state = " (interrupted)" if out["interrupted"] else ""
+    workers = f" on {out['workers']} workers" if out["workers"] > 1 else ""
+    print(f"{out['traces']} traces, {out['ops']} operations in {out['seconds']:.1f}s{workers} "
+          f"({out['ops_per_second']:.0f} checked ops/s), target {out['target']}, policy {out['policy']}, "
+          f"oracle: {out['oracle']}{state}")
+    if out["rejected"]:
+        print(f"  operations rejected cleanly by the target: {out['rejected']}")
+    for name, n in out["rare_paths"].items():
         print(f"  {name}: {n}")
-    if res.found and res.outcome is not None:
-        print(f"FOUND {res.outcome.kind}: {res.outcome.describe()}")
-        if res.trace is not None:
-            print(f"shrunk trace ({len(res.trace.ops)} operations): {saved.get('shrunk')}")
-        if "unshrunk" in saved:
-            print(f"unshrunk trace: {saved['unshrunk']}")
-    else:
+    if not out["findings"]:
         print("nothing found")
+        return
+    for f in out["findings"]:
+        by = f" (found by {f['found_by']} workers)" if f["found_by"] > 1 else ""
+        print(f"FOUND {f['kind']}: {f['finding']['description'] if f['finding'] else ''}{by}")
+        if f["trace_ops"] is not None:
+            print(f"shrunk trace ({f['trace_ops']} operations): {f['trace']}")
+        print(f"unshrunk trace: {f['unshrunk_trace']}")

@@ -52,6 +52,7 @@ from kvspec.drivers.opgen import (
 from kvspec.drivers.trace import Trace
 from kvspec.oracle import oracles
 from kvspec.oracle.catalogue import Violation, check, covered_keys, owned_below_cursor
+from kvspec.oracle.incremental import IncrementalOracle
 
 VIOLATION, CRASH, DIVERGENCE, EXPECTATION = "violation", "crash", "divergence", "expectation"
 MESSAGE_LIMIT = 500  # characters of a crash or divergence text
@@ -186,13 +187,16 @@ class _Applied:
 class Run:
     """One engine on ``factory(config)`` (and one on the reference, if any), fed one operation at a
     time; ``apply`` returns the finding an operation produced, or None. ``index`` counts the
-    operations applied, ``rejected`` those rejected cleanly."""
+    operations applied, ``rejected`` those rejected cleanly. ``incremental``: the oracle runs only
+    the invariants an operation touched (``kvspec.oracle.incremental``; same verdicts, a violation
+    is the full check's); ``final_check`` then judges the last snapshot in full."""
 
     def __init__(self, config: OffloadConfig, factory: TargetFactory, oracle: Iterable[str],
                  reference: TargetFactory | None = None, rare: RarePaths | None = None,
-                 refine: bool = False) -> None:
+                 refine: bool = False, incremental: bool = False) -> None:
         self.config = config
         self.ids = tuple(oracle)
+        self.incremental = IncrementalOracle(self.ids) if incremental else None
         self.refine = refine and not config.lazy_offload  # lazy offload keeps no store state to refine
         self.engine = Engine(factory(config))
         self.ref = Engine(reference(config)) if reference is not None else None
@@ -272,10 +276,18 @@ class Run:
         snap = self.snapshot
         if self.rare is not None:
             self.rare.observe(before, snap, op)
-        violations = check(snap, self.ids)
+        if self.incremental is None or self.incremental.check(snap):
+            violations = check(snap, self.ids)  # a violation is always the full check's
+        else:
+            violations = []
         if not violations and self.refine:
             violations = _refinement(before, snap, op, self.config, i)
         return self._found(i, name, violation=violations[0]) if violations else None
+
+
+    def final_check(self) -> list[Violation]:
+        """The full oracle on the snapshot now (the end of a trace checked incrementally)."""
+        return check(self.snapshot, self.ids)
 
 
 def _refinement(before: dict[str, Any], after: dict[str, Any], op: dict[str, Any], config: OffloadConfig,
@@ -329,10 +341,10 @@ def _raised_in(exc: BaseException, objects: tuple[object, ...]) -> bool:
 
 def start_run(config: OffloadConfig, factory: TargetFactory, oracle: Iterable[str],
               reference: TargetFactory | None = None, rare: RarePaths | None = None,
-              refine: bool = False) -> Run | Outcome:
+              refine: bool = False, incremental: bool = False) -> Run | Outcome:
     """A ``Run``, or the crash of building the target (a finding at no operation)."""
     try:
-        return Run(config, factory, oracle, reference, rare, refine)
+        return Run(config, factory, oracle, reference, rare, refine, incremental)
     except KVSpecError:
         raise
     except Exception as exc:
@@ -390,7 +402,7 @@ def replay(trace: Trace, factory: TargetFactory, oracle: Iterable[str] | None = 
 
 def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, n_ops: int,
              oracle: Iterable[str], rare: RarePaths | None = None, *, mix: OpMix = FUZZ_MIX,
-             strict: bool = False) -> tuple[list[dict[str, Any]], Outcome]:
+             strict: bool = False, incremental: bool = True) -> tuple[list[dict[str, Any]], Outcome]:
     """Draw up to ``n_ops`` state-aware operations of ``mix`` (``OpGenerator`` on ``rng``) on a
     fresh target; stop at the first finding (the finding's operation is the list's last). The
     invalid ones (``mix.invalid_rate``) carry ``"expect": "error"``.
@@ -398,8 +410,14 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
     ``strict`` False (the fuzzer): operations the target rejects cleanly change nothing, so they
     are counted and left out of the returned list (the list replays to the same states).
     ``strict`` True: every operation is kept and must do what it says (accepted, or rejected for
-    ``"expect": "error"``), as in a recorded trace; anything else is an expectation finding."""
-    run = start_run(config, factory, oracle, None, rare)
+    ``"expect": "error"``), as in a recorded trace; anything else is an expectation finding.
+
+    ``incremental`` (the default): the oracle checks what each operation touched, the whole
+    oracle at the end of the trace; should that final check ever find what the incremental one
+    missed, the operations are replayed with the full oracle after each, and that replay's
+    finding is the one returned (verdicts are always the full check's)."""
+    ids = tuple(oracle)
+    run = start_run(config, factory, ids, None, rare, incremental=incremental)
     if isinstance(run, Outcome):
         return [], run
     gen = OpGenerator(config, RandomChoices(rng), mix)
@@ -413,7 +431,26 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
         if found is not None:
             found.op_index = len(ops) - 1
             return ops, found
+    if incremental and run.index and run.final_check():
+        return _replayed_in_full(config, factory, ids, ops, strict)
     return ops, Outcome(len(ops), rejected=run.rejected)
+
+
+def _replayed_in_full(config: OffloadConfig, factory: TargetFactory, ids: tuple[str, ...],
+                      ops: list[dict[str, Any]], strict: bool) -> tuple[list[dict[str, Any]], Outcome]:
+    """``ops`` replayed with the full oracle after every operation: the finding, and the operations
+    up to it. (Generated operations that were rejected are not in ``ops``; strict ones are.)"""
+    run = start_run(config, factory, ids)
+    if isinstance(run, Outcome):
+        return [], run
+    for n, op in enumerate(ops):
+        found = run.apply(op, recorded=strict)
+        if found is not None:
+            found.op_index = n
+            return ops[: n + 1], found
+    violations = run.final_check()
+    return ops, Outcome(len(ops), violation=violations[0] if violations else None,
+                        op_index=len(ops) - 1 if violations else None, rejected=run.rejected)
 
 
 # -- the fuzzer -----------------------------------------------------------------------------

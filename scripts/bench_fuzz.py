@@ -1,0 +1,47 @@
+"""Fuzz throughput: checked operations per second with incremental vs full checking after every
+operation, per target, the policy's claimed oracle; medians of interleaved rounds in one run.
+
+    python scripts/bench_fuzz.py [--seconds 4] [--rounds 3] [--targets model,impl] [--policy repair]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from kvspec.adapters import claims as claimed
+from kvspec.adapters.targets import get_factory
+from kvspec.drivers.harness import generate
+from kvspec.drivers.opgen import RandomChoices, random_config
+
+
+def rate(target: str, policy: str, seconds: float, incremental: bool, seed: int) -> float:
+    factory, rng, ops = get_factory(target), random.Random(seed), 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        cfg = random_config(RandomChoices(rng), policy, False)
+        trace, out = generate(cfg, factory, rng, 60, claimed.resolve(None, cfg, None).ids, incremental=incremental)
+        ops += len(trace) + out.rejected
+    return ops / (time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=4.0, help="seconds per measurement (default 4)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--targets", default="model,impl", help="comma-separated targets (default model,impl)")
+    p.add_argument("--policy", default="repair", help="policy (default repair)")
+    a = p.parse_args()
+    for target in a.targets.split(","):
+        got: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(a.rounds):
+            for inc in (False, True):
+                got[inc].append(rate(target, a.policy, a.seconds, inc, r))
+        full, inc = statistics.median(got[False]), statistics.median(got[True])
+        print(f"{target:6s} {a.policy}: full {full:7.0f} ops/s, incremental {inc:7.0f} ops/s, ratio {inc / full:.2f}")
+
+
+if __name__ == "__main__":
+    main()
