@@ -69,3 +69,49 @@ if [ "$rc" != 0 ]; then
   exit "$rc"
 fi
 banner "vLLM scheduler lockstep passed"
+
+# vLLM 0.33.0 with kvspec's patches (patches/vllm-0.33.0/): each built as its own venv by
+# scripts/setup-vllm-patched.sh (hard links to .vllm-venv, a few seconds), then
+# tests/test_vllm_patched.py in that venv: the policy's model in lockstep with the patched
+# vLLM on random traces, the hazard scenarios on both, the fuzzer's saved findings.
+# Bounded by `timeout 300` per patch; skipped loudly when the registry is unreachable.
+for patch in pr47235; do
+  rc=0
+  scripts/setup-vllm-patched.sh "$patch" || rc=$?
+  if [ "$rc" = 3 ]; then
+    banner "vLLM + $patch stage SKIPPED: registry unreachable (vLLM 0.33.0 could not be installed)"
+    continue
+  fi
+  if [ "$rc" != 0 ]; then
+    banner "vLLM + $patch stage FAILED: building the patched venv exited $rc"
+    exit "$rc"
+  fi
+  rc=0
+  KVSPEC_REQUIRE_VLLM_PATCH=$patch timeout 300 ".vllm-$patch-venv/bin/python" -m pytest -q -rs -m vllm \
+    -p no:cacheprovider tests/test_vllm_patched.py || rc=$?
+  if [ "$rc" = 124 ]; then
+    banner "vLLM + $patch lockstep FAILED: timed out after 300 s"
+    exit 1
+  fi
+  if [ "$rc" = 5 ]; then
+    banner "vLLM + $patch lockstep FAILED: no vLLM test was collected"
+    exit 1
+  fi
+  if [ "$rc" != 0 ]; then
+    banner "vLLM + $patch lockstep FAILED (pytest exit $rc)"
+    exit "$rc"
+  fi
+  banner "vLLM + $patch lockstep passed"
+done
+
+# The shrunk findings of `kvspec history` on vLLM 0.33.0 (tests/traces/vllm_history/0.33.0/)
+# replay to the same finding: tests/test_vllm_history.py, bounded by `timeout 120`. The other
+# releases need venvs of their own: scripts/vllm-history.sh, outside CI.
+rc=0
+KVSPEC_REQUIRE_VLLM=1 timeout 120 .vllm-venv/bin/python -m pytest -q -rs -m vllm -p no:cacheprovider \
+  tests/test_vllm_history.py || rc=$?
+if [ "$rc" != 0 ]; then
+  banner "vLLM history replay FAILED (pytest exit $rc)"
+  exit 1
+fi
+banner "vLLM history replay passed"

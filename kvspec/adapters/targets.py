@@ -23,6 +23,7 @@ _FACTORIES: dict[str, str] = {
     "model": "kvspec.model:make_scheduler",
     "impl": "kvspec.impl:make_scheduler",
     "vllm": "kvspec.adapters.vllm:make_vllm_target",
+    "vllm+pr47235": "kvspec.adapters.vllm_patched:make_vllm_pr47235_target",
 }
 
 
@@ -41,6 +42,10 @@ def get_factory(name: str) -> TargetFactory:
         if bug not in BUGS:
             raise ConfigError(f"unknown bug variant {bug!r}; known: {', '.join(BUGS)}")
         return lambda cfg: make_bug_target(bug, cfg)
+    if name.startswith("vllm@"):  # vllm@VERSION: one real release (kvspec.adapters.vllm_compat)
+        from kvspec.adapters.vllm import release_factory
+
+        return release_factory(name[5:])
     spec = _FACTORIES.get(name)
     if spec is None:
         raise ConfigError(f"unknown target {name!r}; known: {', '.join(target_names())}")

@@ -35,6 +35,7 @@ changing anything when they are wrong.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import Counter
 from collections.abc import Callable
@@ -93,10 +94,17 @@ def bind_operation(driver: object, op: object, ops: tuple[str, ...]) -> tuple[st
     handler = getattr(driver, f"op_{name}")
     args = {k: v for k, v in op.items() if k != "op"}
     try:
-        inspect.signature(handler).bind(**args)
+        _handler_signature(type(driver), name).bind(None, **args)
     except TypeError as exc:
         raise InvalidOperationError(f"bad arguments for {name}: {exc}") from None
     return name, handler, args
+
+
+@functools.lru_cache(maxsize=256)
+def _handler_signature(driver_type: type, name: str) -> inspect.Signature:
+    """The signature of ``driver_type.op_<name>`` (``self`` included), computed once per class and
+    operation: reading it costs more than most operations do."""
+    return inspect.signature(getattr(driver_type, f"op_{name}"))
 
 
 def check_step_args(admit: object, chunk: object, preempt: object, resume: object,
