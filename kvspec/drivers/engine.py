@@ -35,7 +35,6 @@ changing anything when they are wrong.
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections import Counter
 from collections.abc import Callable
@@ -100,11 +99,16 @@ def bind_operation(driver: object, op: object, ops: tuple[str, ...]) -> tuple[st
     return name, handler, args
 
 
-@functools.lru_cache(maxsize=256)
+_SIGNATURES: dict[tuple[type, str], inspect.Signature] = {}
+
+
 def _handler_signature(driver_type: type, name: str) -> inspect.Signature:
     """The signature of ``driver_type.op_<name>`` (``self`` included), computed once per class and
     operation: reading it costs more than most operations do."""
-    return inspect.signature(getattr(driver_type, f"op_{name}"))
+    key = (driver_type, name)
+    if key not in _SIGNATURES:
+        _SIGNATURES[key] = inspect.signature(getattr(driver_type, f"op_{name}"))
+    return _SIGNATURES[key]
 
 
 def check_step_args(admit: object, chunk: object, preempt: object, resume: object,
