@@ -180,6 +180,20 @@ def test_factory_refuses_a_vllm_without_the_patch() -> None:
             get_factory("vllm+pr47235")(config)
 
 
+@pytest.mark.vllm
+@pytest.mark.skipif(PATCH_WHY.startswith("vLLM is not importable"), reason=PATCH_WHY)
+def test_plain_vllm_targets_refuse_a_patched_vllm() -> None:
+    """``vllm`` and ``vllm@0.33.0`` judge vLLM's own code: in a patched venv they refuse to build,
+    so a verdict on patched code is never reported as one on vLLM 0.33.0."""
+    config = replace(CONFIGS["full-ws1"], policy="baseline")
+    for name in ("vllm", "vllm@0.33.0"):
+        if PATCH == "pr47235":
+            with pytest.raises(ConfigError, match="patched with 'pr47235'"):
+                get_factory(name)(config)
+        else:
+            assert get_factory(name)(config).snapshot()["scheduler"]["policy"] == "baseline"
+
+
 # -- the hazard scenarios, each call made on the model and on the patched vLLM -------------------------
 
 

@@ -625,7 +625,21 @@ def make_vllm_target(config: OffloadConfig) -> VllmTarget:
         raise ConfigError(
             f"vLLM {VLLM_VERSION} implements only the 'baseline' policy, not {config.policy!r}"
         )
-    return VllmTarget(config, _import_vllm())
+    vllm = _import_vllm()
+    _refuse_patched("vllm")
+    return VllmTarget(config, vllm)
+
+
+def _refuse_patched(target: str) -> None:
+    """``ConfigError`` when the running vLLM carries one of kvspec's patches (its modules name it in
+    ``CPU_EVICTION_RESTORE``): a plain vLLM target must judge vLLM's own code, not a patched copy."""
+    from vllm.v1.core import block_pool
+    from vllm.v1.simple_kv_offload import manager
+
+    patch = getattr(manager, "CPU_EVICTION_RESTORE", None) or getattr(block_pool, "CPU_EVICTION_RESTORE", None)
+    if patch is not None:
+        raise ConfigError(f"the {target!r} target judges unpatched vLLM, but this Python runs vLLM patched with "
+                          f"{patch!r}; use the 'vllm+{patch}' target here, or run kvspec from .vllm-venv")
 
 
 def release_factory(version: str) -> Callable[[OffloadConfig], VllmTarget]:
@@ -637,7 +651,9 @@ def release_factory(version: str) -> Callable[[OffloadConfig], VllmTarget]:
         config.validate()
         if config.policy != "baseline":
             raise ConfigError(f"vLLM {version} implements only the 'baseline' policy, not {config.policy!r}")
-        return VllmTarget(config, _import_vllm(version))
+        vllm = _import_vllm(version)
+        _refuse_patched(f"vllm@{version}")
+        return VllmTarget(config, vllm)
 
     return make
 
