@@ -5,10 +5,12 @@ SimpleCPUOffloadConnector from a real ``VllmConfig``; ``kvspec.drivers.scheduler
 it the engine's operations; ``kvspec.drivers.lockstep`` compares it with the engine after every
 operation and ``kvspec.drivers.divergence`` names the causes. These tests check that the
 schedulers are built as vLLM builds them, that bad input is refused as the engine refuses it,
-that hand-written streams agree with the engine operation by operation, and that every saved
-divergence trace (tests/traces/vllm_scheduler/) still shows its divergence: a trace of the
-engine against vLLM is an expected failure (strict) until the engine is fixed, a trace of vLLM's
-sync scheduler against its async one documents what async scheduling changes.
+that hand-written streams and random traces agree with the engine operation by operation, and
+that every saved divergence trace (tests/traces/vllm_scheduler/) is judged: one of the engine
+against vLLM's synchronous scheduler shows a difference the engine once had and must now agree
+throughout (a regression test); one of the engine against vLLM's asynchronous scheduler is an
+expected failure (strict: the engine models synchronous scheduling); one of vLLM's sync
+scheduler against its async one documents what async scheduling changes.
 
 Marked ``vllm`` and skipped, with the reason, where vLLM 0.33.0 cannot be imported;
 ``KVSPEC_REQUIRE_VLLM=1`` (set by scripts/ci-vllm-stage.sh) makes that an error.
@@ -34,7 +36,7 @@ pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")]
 
 TRACES = Path(__file__).parent / "traces" / "vllm_scheduler"
-ENGINE_MODES = ("engine", "engine-masked", "engine-budget", "engine-async")
+ENGINE_MODES = ("engine", "engine-async")  # the engine against vLLM: sync (fixed) and async (not modelled)
 RANDOM_TRACES = int(os.environ.get("KVSPEC_VLLM_SCHEDULER_TRACES", "5"))  # per family and mode
 
 
@@ -154,6 +156,14 @@ STREAMS = {
         add("a", 0, 14, 3), step(("a",), 8), step(chunk=8), step(), step(), report(0), report(1), finish("a")]),
     "lazy": (_config(num_gpu_blocks=16, lazy_offload=True, max_num_batched_tokens=16), [
         add("a", 0, 12, 2), step(("a",)), step(), finish("a"), add("b", 1, 30), step(("b",)), finish("b")]),
+    # three requests share a 10-token budget under a threshold of 4: a and b get 4, c the 2 left;
+    # alone, a request is not held to the threshold (vLLM drops it) and takes the whole budget
+    "token-budget": (_config(num_gpu_blocks=24), [
+        add("a", 0, 9), add("b", 1, 9), add("c", 2, 9), step(("a", "b", "c"), 4, budget=10),
+        step(chunk=4, budget=3), finish("b"), finish("c"), step(chunk=2, budget=10)]),
+    # the running queue is in admission order, and a failed allocation preempts from its tail
+    "admission-order-and-preemption": (_config(num_gpu_blocks=6), [
+        add("a", 0, 4, 8), add("b", 1, 4, 8), step(("b",)), step(("a",)), *[step()] * 8]),
 }
 
 
@@ -180,20 +190,56 @@ def test_the_cpu_hit_stream_really_loads_from_the_cpu() -> None:
     assert 0 in loads
 
 
-def test_a_divergence_is_reported_where_it_happens() -> None:
-    """The lockstep is not blind: vLLM runs requests in admission order, the engine in creation
-    order, so admitting two requests in reverse order diverges at the next step."""
-    from kvspec.drivers.divergence import classify
+def test_the_token_budget_stream_shares_the_budget() -> None:
+    """The budget stream is not vacuous: in its first step the three requests get 4, 4 and 2 tokens."""
+    from kvspec.drivers.lockstep import engine_vs_vllm
+
+    config, ops = STREAMS["token-budget"]
+    lock = engine_vs_vllm(config)
+    for i, op in enumerate(ops[:4]):
+        assert lock.step(i, op) is None
+    assert lock.right.observed_step().scheduled == [("a", 4), ("b", 4), ("c", 2)]
+
+
+def test_the_preemption_stream_preempts_from_the_tail() -> None:
+    """The preemption stream is not vacuous: when the pool runs out, vLLM itself preempts a, the
+    tail of the running queue (admitted after b, though created before it)."""
+    from kvspec.drivers.lockstep import engine_vs_vllm
+
+    config, ops = STREAMS["admission-order-and-preemption"]
+    lock = engine_vs_vllm(config)
+    preempted = []
+    for i, op in enumerate(ops):
+        assert lock.step(i, op) is None
+        if op["op"] == "step":
+            preempted += lock.right.observed_step().preempted
+    assert preempted == ["a"]
+
+
+def test_a_divergence_is_reported_where_it_happens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lockstep is not blind: an engine that puts each admitted request at the head of its
+    running queue (vLLM appends it) diverges from vLLM at the step after two admissions made in
+    reverse creation order, in the order of the scheduled requests."""
+    from kvspec.drivers.engine import Engine
     from kvspec.drivers.lockstep import run_lockstep
+
+    start = Engine._start
+
+    def start_at_head(self: Engine, r: Any, *args: Any) -> None:
+        start(self, r, *args)
+        self.running.insert(0, self.running.pop())
 
     config = _config(num_gpu_blocks=16)
     ops = [add("a", 0, 4, 4), add("b", 1, 4, 4), step(("b",)), step(("a",)), step()]
+    assert run_lockstep(config, ops)[0] is None
+    monkeypatch.setattr(Engine, "_start", start_at_head)
     d, _ = run_lockstep(config, ops)
-    assert d is not None and d.op_index == 4 and d.section == "scheduled"
-    assert classify(config, ops, d) == "running-queue order"
+    assert d is not None and d.op_index == 4 and d.section == "scheduled", d
 
 
-def test_preempting_a_loaded_request_has_no_vllm_counterpart() -> None:
+def test_preempting_a_loaded_request_is_refused_by_both() -> None:
+    """vLLM preempts running requests only; a request whose load completed waits to be scheduled,
+    so both sides refuse to preempt it, with the same error, and nothing changes."""
     from kvspec.drivers.lockstep import apply_op, engine_vs_vllm
 
     lock = engine_vs_vllm(_config(world_size=2))
@@ -201,10 +247,10 @@ def test_preempting_a_loaded_request_has_no_vllm_counterpart() -> None:
     for i, op in enumerate(prefix):
         assert lock.step(i, op) is None
     assert lock.right.driver.status("c") == "loaded"
-    before = lock.right.state()
-    outcome = apply_op(lock.right, step(preempt=["c"]))
-    assert outcome.kind == "outside" and "running requests only" in outcome.detail
-    assert lock.right.state() == before
+    before = lock.left.state(), lock.right.state()
+    engine, vllm = apply_op(lock.left, step(preempt=["c"])), apply_op(lock.right, step(preempt=["c"]))
+    assert (engine.kind, engine.detail) == (vllm.kind, vllm.detail) == ("rejected", "InvalidOperationError")
+    assert (lock.left.state(), lock.right.state()) == before
 
 
 # -- async scheduling -------------------------------------------------------------------------------
@@ -228,22 +274,35 @@ def test_async_scheduling_runs_one_batch_ahead() -> None:
 # -- random traces ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["engine-masked", "async"])
-def test_random_traces_diverge_only_for_known_causes(mode: str) -> None:
-    """Random traces of every configuration family: each first divergence (engine against vLLM with
-    every known difference masked, or vLLM sync against async) has a known cause; none crashes."""
+def test_random_traces_agree_with_vllms_sync_scheduler() -> None:
+    """Random traces of every configuration family (budgets, preemption pressure, small CPU pools,
+    sliding-window CPU hits; 3 % invalid operations): the engine and vLLM's synchronous scheduler
+    agree after every operation of every trace."""
+    from kvspec.drivers.divergence import FAMILIES, measure
+
+    for family in FAMILIES:
+        tally = measure("engine", family, seed=1, count=RANDOM_TRACES, n_ops=120)
+        found = {k: e.divergence.describe() for k, e in tally.examples.items()}
+        assert tally.agreeing == tally.traces == RANDOM_TRACES, f"engine / {family}: {found}"
+        assert tally.ops == RANDOM_TRACES * 120
+    print(f"\n[vllm scheduler lockstep] engine: {RANDOM_TRACES} traces x 120 operations per family agree")
+
+
+def test_random_traces_of_async_scheduling_differ_for_known_causes() -> None:
+    """vLLM's sync scheduler against its async one: each first divergence has a known cause of
+    async scheduling; none crashes."""
     from kvspec.drivers.divergence import FAMILIES, UNCLASSIFIED, measure
 
     seen: dict[str, int] = {}
     for family in FAMILIES:
-        tally = measure(mode, family, seed=1, count=RANDOM_TRACES, n_ops=120)
+        tally = measure("async", family, seed=1, count=RANDOM_TRACES, n_ops=120)
         unknown = {k: tally.examples[k].divergence.describe() for k in tally.classes
                    if k.endswith(UNCLASSIFIED) or "crash" in k}
-        assert not unknown, f"{mode} / {family}: divergences of no known cause: {unknown}"
+        assert not unknown, f"async / {family}: divergences of no known cause: {unknown}"
         assert tally.ops > 0
         for klass, n in tally.classes.items():
             seen[klass] = seen.get(klass, 0) + n
-    print(f"\n[vllm scheduler lockstep] {mode}: {RANDOM_TRACES} traces per family; first divergences: {seen}")
+    print(f"\n[vllm scheduler lockstep] async: {RANDOM_TRACES} traces per family; first divergences: {seen}")
 
 
 # -- saved divergence traces ------------------------------------------------------------------------
@@ -256,26 +315,38 @@ def _saved() -> list[Any]:
     for path in sorted(TRACES.glob("*.jsonl")):
         mode, klass = recorded_divergence(read(path))
         marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"engine differs from vLLM: {klass}")] \
-            if mode in ENGINE_MODES else []
+            if mode == "engine-async" else []
         params.append(pytest.param(path, mode, klass, id=path.stem, marks=marks))
     return params
 
 
 def test_there_are_saved_traces() -> None:
-    assert len(list(TRACES.glob("*.jsonl"))) >= 3
+    modes = [recorded_divergence_mode(path) for path in TRACES.glob("*.jsonl")]
+    assert modes.count("engine") >= 10 and "async" in modes and "engine-async" in modes
+
+
+def recorded_divergence_mode(path: Path) -> str:
+    from kvspec.drivers.divergence import recorded_divergence
+
+    return recorded_divergence(read(path))[0]
 
 
 @pytest.mark.parametrize(("path", "mode", "klass"), _saved())
 def test_saved_trace_shows_its_divergence(path: Path, mode: str, klass: str) -> None:
-    """A trace of the engine against vLLM fails (expected, strict) while the engine differs, with
-    the recorded class, at the recorded operation; one of vLLM sync against async shows its
-    difference. A divergence of another class is a plain failure."""
+    """A trace of the engine against vLLM's sync scheduler, which once diverged with the recorded
+    class, now agrees throughout; one against vLLM's async scheduler fails (expected, strict)
+    with the recorded class at the recorded operation, and a divergence of another class is a
+    plain failure; one of vLLM sync against async shows its difference."""
     from kvspec.drivers.divergence import first_divergence
 
     trace = read(path)
-    d, _ = first_divergence(mode, trace.config, trace.ops)
-    if mode not in ENGINE_MODES:
+    d, compared = first_divergence(mode, trace.config, trace.ops)
+    if mode == "async":
         assert d is not None and d.klass == klass, d.describe() if d else "no divergence"
+        return
+    if mode == "engine":
+        assert d is None, f"the engine differs from vLLM again ({klass}): {d.describe()}"
+        assert compared == len(trace.ops)
         return
     if d is not None and (d.klass != klass or d.op_index != len(trace.ops) - 1):
         pytest.fail(f"diverges otherwise than recorded ({klass}): {d.describe()}")

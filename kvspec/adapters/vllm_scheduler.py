@@ -21,11 +21,11 @@ Its methods are what engine core and the workers do to a scheduler:
   included. The step's arguments reach vLLM through what ``schedule()`` reads: ``admit`` is the
   waiting queue (requests not admitted are held out of it during the call, the admitted ones
   stand in ``admit`` order), ``preempt`` runs vLLM's own ``_preempt_request`` first, ``resume``
-  selects the model-runner variant (``mrv2``: resumed requests go out as new requests), and
-  with ``options.budget == "op"`` ``chunk`` is the per-request token cap
-  (``long_prefill_token_threshold``, or the step budget when a single request is eligible,
-  since vLLM lifts the threshold then); with ``"vllm"`` the configured
-  ``max_num_batched_tokens`` is the step budget and ``chunk`` is ignored.
+  selects the model-runner variant (``mrv2``: resumed requests go out as new requests),
+  ``chunk`` is ``long_prefill_token_threshold`` and ``budget`` the step's token budget
+  (``max_num_batched_tokens``); without a budget the step has none beyond ``chunk`` per request
+  (vLLM drops the threshold when at most one request is eligible, so then the budget is
+  ``chunk``).
 * ``report`` / ``load_done``: the workers' ``KVConnectorOutput`` (store completions counted
   per rank, as ``SimpleCPUOffloadWorkerMetadata`` aggregates them; a finished load as
   ``finished_recving``), delivered through ``update_from_output`` with an empty
@@ -58,10 +58,9 @@ from typing import Any, NamedTuple
 
 from kvspec.adapters.vllm import VLLM_VERSION, VllmTarget, hash_to_bytes, pool_snapshot
 from kvspec.contract.config import MAX_BATCHED_TOKENS, OffloadConfig
-from kvspec.contract.errors import ConfigError, echo
+from kvspec.contract.errors import ConfigError
 from kvspec.model.hashing import ROOT_HASH, chain_hash
 
-BUDGETS = ("op", "vllm")
 MAX_MODEL_LEN = 1 << 18  # above any prompt plus output the engine allows (MAX_PROMPT_TOKENS each)
 UNBOUNDED_MAX_TOKENS = MAX_MODEL_LEN - 1  # vLLM's max_tokens when only ``finish`` may stop a request
 MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs (capped by max_num_batched_tokens, as vLLM requires)
@@ -71,34 +70,14 @@ HEAD_DIM = 4
 
 @dataclass(frozen=True)
 class SchedulerOptions:
-    """How vLLM is run: scheduling mode, token budget, who stops requests, masks.
+    """How vLLM is run: scheduling mode and who stops requests.
 
     ``async_scheduling``: ``AsyncScheduler`` (True), ``Scheduler`` (False), or what
-    ``VllmConfig`` resolves (None: async in vLLM 0.33.0). ``budget``: ``"op"`` (the step's
-    ``chunk`` caps each request, no step budget) or ``"vllm"`` (``max_num_batched_tokens``).
-    ``auto_finish``: vLLM stops a request at ``max_tokens`` itself (None: under async only).
-    ``reserve_full_isl``: vLLM's ``scheduler_reserve_full_isl`` (admit a request only if its whole
-    prompt fits; True in 0.33.0).
-
-    Masks take one known difference out of a comparison so that the next one shows (each does
-    what the engine does, where vLLM does otherwise): ``align_running_order`` orders vLLM's
-    running list (and its queue of waiting requests that hold blocks) by creation before each
-    ``schedule()``; ``step_when_idle`` schedules even when the scheduler has no request (engine
-    core does not step then); ``free_window_every_step`` frees the out-of-window blocks of running
-    requests with nothing left to schedule, in the running loop's order (vLLM frees them only for
-    a request it allocates for)."""
+    ``VllmConfig`` resolves (None: async in vLLM 0.33.0). ``auto_finish``: vLLM stops a request
+    at ``max_tokens`` itself (None: under async only)."""
 
     async_scheduling: bool | None = None
-    budget: str = "op"
     auto_finish: bool | None = None
-    reserve_full_isl: bool = True
-    align_running_order: bool = False
-    step_when_idle: bool = False
-    free_window_every_step: bool = False
-
-    def __post_init__(self) -> None:
-        if self.budget not in BUDGETS:
-            raise ConfigError(f"budget must be one of {', '.join(BUDGETS)}, got {echo(self.budget)}")
 
 
 @dataclass
@@ -228,8 +207,7 @@ def build_vllm_config(v: SimpleNamespace, config: OffloadConfig, options: Schedu
     scheduler = v.SchedulerConfig(
         max_num_seqs=min(MAX_NUM_SEQS, config.max_num_batched_tokens),
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
-        enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=options.async_scheduling,
-        scheduler_reserve_full_isl=options.reserve_full_isl)
+        enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=options.async_scheduling)
     cpu_bytes = page_bytes * config.num_groups * config.num_cpu_blocks * config.world_size
     transfer = v.KVTransferConfig(
         kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
@@ -311,18 +289,19 @@ class VllmScheduler:
     def is_running(self, rid: str) -> bool:
         return bool(self.requests[rid].status == self.v.RequestStatus.RUNNING)
 
-    def step(self, admit: list[str], chunk: int, preempt: list[str], resume: str) -> StepObservation:
+    def step(self, admit: list[str], chunk: int, preempt: list[str], resume: str,
+             budget: int | None = None) -> StepObservation:
         """One engine-core step (``EngineCore.step``, or ``step_with_batch_queue`` with two batches
         in flight): schedule a batch when the scheduler has requests, then process the oldest
         batch's output once the queue is full or nothing else could be scheduled. ``preempt`` must
         name running requests."""
         self.last_step = StepObservation(metadata=metadata_json(None))
-        self.last_step_idle = not self.scheduler.has_requests() and not self.options.step_when_idle
+        self.last_step_idle = not self.scheduler.has_requests()
         if not self.last_step_idle:
             for rid in preempt:
                 self.scheduler.running.remove(self.requests[rid])
                 self.scheduler._preempt_request(self.requests[rid], time.monotonic())
-            out = self._schedule(admit, chunk, resume)
+            out = self._schedule(admit, chunk, resume, budget)
             self.last_step = observe_step(out, out.kv_connector_metadata)
             self.in_flight.appendleft(_Batch(out, self._sampling(out)))
             if len(self.in_flight) < self.batch_queue_size and (
@@ -333,7 +312,7 @@ class VllmScheduler:
         self._process(self.in_flight.pop())
         return self.last_step
 
-    def _schedule(self, admit: list[str], chunk: int, resume: str) -> Any:
+    def _schedule(self, admit: list[str], chunk: int, resume: str, budget: int | None) -> Any:
         """``schedule()`` with the waiting queue holding exactly ``admit`` (in order) and the step's
         knobs set; the requests held out go back to the queue afterwards."""
         waiting = self.scheduler.waiting
@@ -342,78 +321,24 @@ class VllmScheduler:
         waiting.remove_requests(held + admitted)
         for request in admitted:
             waiting.add_request(request)
-        if self.options.align_running_order:
-            self._align_running_order()
-        self._set_knobs(chunk, resume)
-        unmask = self._free_window_in_turn() if self.options.free_window_every_step else None
+        self._set_knobs(chunk, resume, budget)
         try:
             return self.scheduler.schedule()
         finally:
-            if unmask is not None:
-                unmask()
             for request in held:
                 waiting.add_request(request)
 
-    def _align_running_order(self) -> None:
-        """The mask of ``SchedulerOptions.align_running_order``: creation order for the running list
-        and for the queue of waiting requests that hold blocks. O(requests log requests)."""
-        serial = {rid: i for i, rid in enumerate(self.requests)}
-
-        def by_creation(request: Any) -> int:
-            return serial[request.request_id]
-
-        self.scheduler.running.sort(key=by_creation)
-        holding = sorted(self.scheduler.kv_holding_waiting, key=by_creation)
-        self.scheduler.kv_holding_waiting.remove_requests(holding)
-        for request in holding:
-            self.scheduler.kv_holding_waiting.add_request(request)
-
-    def _free_window_in_turn(self) -> Callable[[], None]:
-        """The mask of ``SchedulerOptions.free_window_every_step``: ``remove_skipped_blocks`` for the
-        running requests with no token left to schedule, in the running loop's order, as the engine
-        does (vLLM's ``allocate_slots`` does it only for the requests it allocates for). Wraps
-        ``allocate_slots`` and ``_build_kv_connector_meta`` for one ``schedule()``: an allocation for a
-        running request first frees the idle ones before it, one for a waiting request (or the
-        connector's planning) all of them; the returned function unwraps. O(running requests) per
-        allocation."""
-        manager = self.scheduler.kv_cache_manager
-        allocate, build = manager.allocate_slots, self.scheduler._build_kv_connector_meta
-        idle = [r for r in self.scheduler.running
-                if r.num_tokens_with_spec + r.num_output_placeholders <= r.num_computed_tokens]
-        order = {r.request_id: i for i, r in enumerate(self.scheduler.running)}
-
-        def free_until(position: int) -> None:
-            while idle and order[idle[0].request_id] < position:
-                r = idle.pop(0)
-                manager.remove_skipped_blocks(r.request_id, r.num_computed_tokens - r.num_in_flight_tokens,
-                                              num_prompt_tokens=r.num_prompt_tokens)
-
-        def allocate_in_turn(request: Any, *args: Any, **kwargs: Any) -> Any:
-            free_until(order.get(request.request_id, len(order)))
-            return allocate(request, *args, **kwargs)
-
-        def build_after_all(connector: Any, out: Any) -> Any:
-            free_until(len(order))
-            return build(connector, out)
-
-        def finish() -> None:
-            del manager.allocate_slots, self.scheduler._build_kv_connector_meta
-
-        manager.allocate_slots = allocate_in_turn
-        self.scheduler._build_kv_connector_meta = build_after_all
-        return finish
-
-    def _set_knobs(self, chunk: int, resume: str) -> None:
-        """What ``schedule()`` reads of the step's arguments: the model-runner variant and, with the
-        ``"op"`` budget, the per-request cap ``chunk`` (``long_prefill_token_threshold``; vLLM drops it
-        when at most one request is eligible, so then the step budget is ``chunk``) and no request
-        or sequence limit otherwise."""
+    def _set_knobs(self, chunk: int, resume: str, budget: int | None) -> None:
+        """What ``schedule()`` reads of the step's arguments: the model-runner variant,
+        ``long_prefill_token_threshold = chunk`` and the step budget ``budget``; without one, no
+        step budget (only ``chunk`` per request: vLLM drops the threshold when at most one request
+        is eligible, so then the budget is ``chunk``). No limit on the number of running requests
+        (``max_num_seqs``), as in the engine."""
         s = self.scheduler
         s.use_v2_model_runner = resume == "mrv2"
-        if self.options.budget != "op":
-            return
-        running, waiting = s.get_request_counts()
-        budget = chunk if running + waiting <= 1 else MAX_BATCHED_TOKENS
+        if budget is None:
+            running, waiting = s.get_request_counts()
+            budget = chunk if running + waiting <= 1 else MAX_BATCHED_TOKENS
         s.scheduler_config.long_prefill_token_threshold = chunk
         s.scheduler_config.max_num_batched_tokens = budget
         s.max_num_scheduled_tokens = budget

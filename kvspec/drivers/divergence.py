@@ -4,14 +4,11 @@
 between the engine and vLLM's synchronous scheduler (``kvspec.drivers.lockstep``). It
 replays the trace up to ``d`` and judges, in this order:
 
-1. ``RULES``: predicates of the operation and of both sides' states just before and just after
-   it (vLLM preempted a request the operation did not name, vLLM nulled a block the engine kept,
-   ...);
-2. ``COUNTERFACTUALS``: with one more mask the trace agrees up to ``d``'s operation and there
-   agrees or differs in another section first (the mask's difference is the cause);
-3. ``LATE_RULES``: predicates that only hold once the counterfactuals are ruled out;
-
-and ``"unclassified"`` otherwise. ``classify_async`` does the same for vLLM's synchronous
+``RULES``, predicates of the operation and of both sides' states just before and just after it
+(vLLM preempted a request the operation did not name, vLLM nulled a block the engine kept, ...),
+each naming a difference the engine once had, so that one coming back is recognised; and
+``"unclassified"`` otherwise (the engine matches vLLM's synchronous scheduler on every trace
+measured, so a divergence there is new). ``classify_async`` does the same for vLLM's synchronous
 scheduler against its asynchronous one: what differs there is inherent to async scheduling.
 ``measure`` runs random traces of a configuration family and counts the classes of their
 first divergences; ``shrink`` cuts a trace down while its class stays the same.
@@ -34,13 +31,11 @@ from typing import Any
 from kvspec.adapters.vllm_scheduler import SchedulerOptions, StepObservation
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.drivers.lockstep import (
-    MASKS,
     Divergence,
     EngineSide,
     Lockstep,
     VllmSide,
     engine_vs_vllm,
-    rewrite,
     run_lockstep,
     sync_vs_async,
 )
@@ -68,7 +63,6 @@ class Evidence:
     right_step: StepObservation | None
     right_idle: bool
     reserved_blocks: int  # what vLLM's in-flight prefills reserved, before or after the operation
-    budget: str
 
 
 def gather_evidence(lock: Lockstep, ops: list[dict[str, Any]], index: int) -> Evidence:
@@ -82,14 +76,14 @@ def gather_evidence(lock: Lockstep, ops: list[dict[str, Any]], index: int) -> Ev
     reserved = int(vllm.scheduler._inflight_prefill_reserved_blocks())
     lock.step(index, ops[index])
     reserved = max(reserved, int(vllm.scheduler._inflight_prefill_reserved_blocks()))
-    op = rewrite(ops[index], lock.masks)
+    op = ops[index]
     stepped = op["op"] == "step"
     return Evidence(
         config=vllm.config, op=op, left_before=left_before, left_after=lock.left.state(),
         right_before=right_before, right_after=lock.right.state(),
         left_step=lock.left.observed_step() if stepped else None,
         right_step=lock.right.observed_step() if stepped else None,
-        right_idle=stepped and vllm.last_step_idle, reserved_blocks=reserved, budget=vllm.options.budget,
+        right_idle=stepped and vllm.last_step_idle, reserved_blocks=reserved,
     )
 
 
@@ -211,15 +205,6 @@ def _local_hit_kept(d: Divergence, ev: Evidence) -> bool:
     return _window_blocks(ev, left_null=False, rids=admitted)
 
 
-def _token_budget(d: Divergence, ev: Evidence) -> bool:
-    """Under vLLM's own budget a request got another number of tokens than the step's ``chunk``
-    gives it in the engine."""
-    if ev.budget != "vllm" or ev.left_step is None or ev.right_step is None:
-        return False
-    mine, theirs = dict(ev.left_step.scheduled), dict(ev.right_step.scheduled)
-    return any(theirs.get(rid, 0) != n for rid, n in mine.items()) or theirs.keys() != mine.keys()
-
-
 def _vllm_finishes(d: Divergence, ev: Evidence) -> bool:
     """vLLM finished a request in a step (it sampled its last token); the engine still runs it."""
     return ev.op["op"] == "step" and bool(ev.left_after["requests"].keys() - ev.right_after["requests"].keys())
@@ -231,18 +216,14 @@ CLASS_FINISHES = "vLLM finishes a request in the step that samples its last toke
 RULES: list[tuple[str, Rule]] = [
     (CLASS_OUTSIDE, _outside),
     ("vLLM crashed", _vllm_crash),
-    (MASKS["idle-step"].klass, _idle_step),
+    ("idle step: engine core does not schedule without requests", _idle_step),
     (CLASS_PREEMPTS, _vllm_preempts),
-    (MASKS["window-every-step"].klass, _window_freed_unscheduled),
-    (MASKS["mrv2-order"].klass, _mrv2_order),
+    ("out-of-window blocks freed for a request given no tokens", _window_freed_unscheduled),
+    ("mrv2: resumed requests listed after new ones", _mrv2_order),
     ("a loaded request that had been preempted resumes (engine: starts as new)", _loaded_resumes),
     ("a loaded request that cannot be allocated stops vLLM's admissions (engine: admits on)",
      _loaded_blocks_admission),
     (CLASS_FINISHES, _vllm_finishes),
-    ("vLLM's step token budget (max_num_batched_tokens), not the step's chunk", _token_budget),
-]
-COUNTERFACTUALS = ("running-order", "full-prompt", "mrv2-order")
-LATE_RULES: list[tuple[str, Rule]] = [
     ("an async load is admitted only beside in-flight prefills' reserved blocks", _load_reservation),
     ("sliding-window admission with a CPU hit", _window_admission),
     ("local-hit sliding-window blocks pushed out of the window kept", _local_hit_kept),
@@ -250,31 +231,12 @@ LATE_RULES: list[tuple[str, Rule]] = [
 UNCLASSIFIED = "unclassified"
 
 
-def _masked_away(config: OffloadConfig, ops: list[dict[str, Any]], d: Divergence, options: SchedulerOptions | None,
-                 masks: frozenset[str]) -> bool:
-    """Under ``masks`` the trace agrees up to ``d``'s operation, and there either agrees or differs
-    in another section first (a second cause at the same operation)."""
-    masked, _ = run_lockstep(config, ops[: d.op_index + 1], options, masks)
-    return masked is None or (masked.op_index == d.op_index and masked.section != d.section)
-
-
 def classify(config: OffloadConfig, ops: list[dict[str, Any]], d: Divergence,
-             options: SchedulerOptions | None = None, masks: frozenset[str] = frozenset()) -> str:
+             options: SchedulerOptions | None = None) -> str:
     """The cause of ``d``, the first divergence of ``ops`` between the engine and vLLM under
-    ``options`` and ``masks``; see the module doc. O(trace x counterfactuals)."""
-    ev = gather_evidence(engine_vs_vllm(config, options, masks), ops, d.op_index)
+    ``options`` (``RULES``, in order). O(trace)."""
+    ev = gather_evidence(engine_vs_vllm(config, options), ops, d.op_index)
     for klass, rule in RULES:
-        if rule(d, ev):
-            return klass
-    candidates = [name for name in COUNTERFACTUALS if name not in masks]
-    for name in candidates:
-        if _masked_away(config, ops, d, options, masks | {name}):
-            return MASKS[name].klass
-    for i, first in enumerate(candidates):  # two causes at the same operation
-        for second in candidates[i + 1:]:
-            if _masked_away(config, ops, d, options, masks | {first, second}):
-                return f"{MASKS[first].klass} (with: {MASKS[second].klass})"
-    for klass, rule in LATE_RULES:
         if rule(d, ev):
             return klass
     return UNCLASSIFIED
@@ -361,7 +323,7 @@ def random_config(rng: random.Random, family: str) -> OffloadConfig:
 
 
 FAMILIES = ("mixed", "pressure", "small-cpu", "window-hits")
-MODES = ("engine", "engine-masked", "engine-budget", "async", "engine-async")
+MODES = ("engine", "async", "engine-async")
 
 
 def traces(family: str, seed: int, count: int, n_ops: int) -> Iterator[tuple[OffloadConfig, list[dict[str, Any]]]]:
@@ -404,8 +366,7 @@ class Tally:
 
 def first_divergence(mode: str, config: OffloadConfig, ops: list[dict[str, Any]]) -> tuple[Divergence | None, int]:
     """The classified first divergence of ``ops`` in ``mode`` (``MODES``): the engine against vLLM's
-    sync scheduler, unmasked, with every mask, or with every mask and vLLM's own token budget; vLLM
-    sync against async; or the engine against vLLM async (classified as the engine-against-sync
+    sync scheduler; vLLM sync against async; or the engine against vLLM async (classified as the engine-against-sync
     class when sync vLLM already differs from the engine by then, else as the async class)."""
     if mode == "async":
         lock = sync_vs_async(config)
@@ -415,11 +376,10 @@ def first_divergence(mode: str, config: OffloadConfig, ops: list[dict[str, Any]]
         return d, lock.ops_compared
     if mode == "engine-async":
         return _engine_async(config, ops)
-    masks = frozenset(MASKS) if mode in ("engine-masked", "engine-budget") else frozenset()
-    options = SchedulerOptions(async_scheduling=False, budget="vllm" if mode == "engine-budget" else "op")
-    d, compared = run_lockstep(config, ops, options, masks)
+    options = SchedulerOptions(async_scheduling=False)
+    d, compared = run_lockstep(config, ops, options)
     if d is not None:
-        d.klass = classify(config, ops, d, options, masks)
+        d.klass = classify(config, ops, d, options)
     return d, compared
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvspec.contract.checks import check_count
+from kvspec.contract.config import MAX_BATCHED_TOKENS
 from kvspec.contract.errors import (
     InvalidCountError,
     InvalidOperationError,
@@ -111,20 +112,26 @@ def _handler_signature(driver_type: type, name: str) -> inspect.Signature:
     return _SIGNATURES[key]
 
 
-def check_step_args(admit: object, chunk: object, preempt: object, resume: object,
+def check_step_args(admit: object, chunk: object, preempt: object, resume: object, budget: object,
                     status_of: Callable[[object], str]) -> tuple[list[str], list[str]]:
     """The checks of a ``step`` operation's arguments, shared by every driver that takes the
-    engine's operations: request lists, a chunk of 1..MAX_PROMPT_TOKENS, the resume mode, only
-    running (or loaded) requests preempted, only waiting or preempted ones admitted, no request
-    repeated. ``status_of`` reads a request's status. Returns (admit, preempt); changes nothing."""
+    engine's operations: request lists, a chunk of 1..MAX_PROMPT_TOKENS, a budget of None or
+    1..MAX_BATCHED_TOKENS, the resume mode, only running requests preempted (vLLM preempts only
+    what runs: a request whose load completed and that waits to be scheduled cannot be), only
+    waiting or preempted ones admitted, no request repeated. ``status_of`` reads a request's
+    status. Returns (admit, preempt); changes nothing."""
     admit_ids, preempt_ids = _request_list(admit, "admit"), _request_list(preempt, "preempt")
     check_count(chunk, "chunk", MAX_PROMPT_TOKENS)
     if chunk == 0:
         raise InvalidCountError("chunk must be >= 1")
+    if budget is not None:
+        check_count(budget, "budget", MAX_BATCHED_TOKENS)
+        if budget == 0:
+            raise InvalidCountError("budget must be >= 1")
     if not isinstance(resume, str) or resume not in ("mrv1", "mrv2"):
         raise InvalidOperationError(f"resume must be 'mrv1' or 'mrv2', got {echo(resume)}")
     for rid in preempt_ids:
-        if (status := status_of(rid)) not in (RUNNING, LOADED):
+        if (status := status_of(rid)) != RUNNING:
             raise InvalidOperationError(f"cannot preempt {rid}: it is {status}")
     for rid in admit_ids:
         if (status := status_of(rid)) not in (WAITING, PREEMPTED) and rid not in preempt_ids:
@@ -132,6 +139,31 @@ def check_step_args(admit: object, chunk: object, preempt: object, resume: objec
     if len(set(admit_ids)) != len(admit_ids) or len(set(preempt_ids)) != len(preempt_ids):
         raise InvalidOperationError("admit and preempt must not repeat a request")
     return admit_ids, preempt_ids
+
+
+@dataclass
+class StepBudget:
+    """vLLM's token accounting in one ``schedule()``: ``left`` tokens of the step's budget (None:
+    no step budget) and the per-request cap ``threshold`` (``long_prefill_token_threshold``; 0:
+    none). O(1) per call."""
+
+    left: int | None
+    threshold: int
+
+    def open(self) -> bool:
+        """Tokens are left: vLLM's passes stop at an exhausted budget."""
+        return self.left is None or self.left > 0
+
+    def share(self, need: int) -> int:
+        """The tokens a request that needs ``need`` gets: capped by the threshold, then by what is
+        left."""
+        n = self.threshold if 0 < self.threshold < need else need
+        return n if self.left is None else min(n, self.left)
+
+    def spend(self, n: int) -> None:
+        """``n`` tokens were scheduled."""
+        if self.left is not None:
+            self.left -= n
 
 
 @dataclass
@@ -191,6 +223,9 @@ class Engine:
         self.G = self.config.num_groups
         self.requests: dict[str, EngineRequest] = {}  # every request ever added, in creation order
         self.live: dict[str, EngineRequest] = {}  # those not finished, or still holding blocks for a load
+        self.running: list[str] = []  # vLLM's running queue: admission (or resumption) order
+        self.holding: list[str] = []  # vLLM's kv_holding_waiting: requests with a load, in the order they got it
+        self.inflight_prefills: set[str] = set()  # vLLM's _inflight_prefills (async-load admission reservation)
         self.retired: set[str] = set()  # finished requests nothing names any more (dropped from requests)
         self.gpu_data: list[BlockHash | None] = [None] * self.config.num_gpu_blocks
         self.cpu_data: list[BlockHash | None] = [None] * self.config.num_cpu_blocks
@@ -247,22 +282,35 @@ class Engine:
             rid, family, prompt_tokens(family, prompt_len), max_tokens, self.B, self.G, serial=self.num_added)
 
     def op_step(self, admit: list[str] | None = None, chunk: int = 64, preempt: list[str] | None = None,
-                resume: str = "mrv1") -> ConnectorMetadata:
-        """One engine step (schedule, build_connector_meta, forward, sample)."""
-        admit, preempt = check_step_args(admit, chunk, preempt, resume, self._status)
+                resume: str = "mrv1", budget: int | None = None) -> ConnectorMetadata:
+        """One engine step: ``schedule()``, ``build_connector_meta``, forward, sample.
+
+        ``schedule()`` follows vLLM's ``Scheduler.schedule`` (synchronous): the named preemptions,
+        then the running queue in its order (``_schedule_running``; a failed allocation preempts
+        from the queue's tail and retries, and ends the running pass), then, only when that pass
+        preempted nobody, the requests holding a load in their order (``_schedule_loaded``) and
+        the admissions in ``admit``'s order (``_admit``); the first allocation that fails ends
+        the waiting pass. ``chunk`` is vLLM's ``long_prefill_token_threshold`` and ``budget`` the
+        step's token budget (``max_num_batched_tokens``): with a budget, vLLM drops the threshold
+        when at most one request is eligible; without one, every request is capped by ``chunk``
+        and the step by nothing else. Engine core does not step a scheduler that has no request
+        (``has_requests``): such a step does nothing and returns empty metadata."""
+        admit, preempt = check_step_args(admit, chunk, preempt, resume, budget, self._status)
+        if not self._has_requests():
+            self.converging_step = False
+            return ConnectorMetadata()
 
         self.converging_step = not admit and self._quiescent()
         out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData())
         scheduled: dict[str, int] = {}
+        resumed_new: list[NewRequestData] = []  # mrv2: resumed requests go after the new ones
         for rid in preempt:
             self._preempt(self.requests[rid])
-        for r in [r for r in self.live.values() if r.status == RUNNING]:
-            self._schedule_running(r, chunk, out, scheduled)
-        for r in [r for r in self.live.values() if r.status == LOADED]:
-            self._schedule_loaded(r, chunk, out, scheduled)
-        for rid in admit:
-            if not self._admit(self.requests[rid], chunk, resume, out, scheduled):
-                break
+        eligible = len(self.running) + len(self.holding) + len(admit)
+        tokens = StepBudget(budget, chunk if budget is None or eligible > 1 else 0)
+        if not self._schedule_running(tokens, out, scheduled):
+            self._schedule_waiting(admit, tokens, resume, out, scheduled, resumed_new)
+        out.scheduled_new_reqs.extend(resumed_new)
         self.converging_step = self.converging_step and not scheduled
         out.num_scheduled_tokens = dict(scheduled)
         out.preempted_req_ids = set(self.preempted_since_step)
@@ -274,12 +322,21 @@ class Engine:
                                       list((Counter(meta.store_gpu_blocks) - queued).elements()))
         self._after_build(meta)
         for rid, n in scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            r = self.requests[rid]
+            r.num_computed_tokens += n
+            if r.num_computed_tokens >= r.num_tokens:  # no longer prefilling (vLLM: not is_prefill_chunk)
+                self.inflight_prefills.discard(rid)
         self._forward(scheduled, meta)
         self.preempted_since_step.clear()
         self.finished_since_step.clear()
         self.step_index += 1
         return meta
+
+    def _has_requests(self) -> bool:
+        """vLLM's ``Scheduler.has_requests``: an unfinished request, a finish not yet reported to a
+        ``schedule()``, a finished request whose blocks wait for its load, or a store the
+        connector still has queued or in flight (``has_pending_stores``)."""
+        return bool(self.live) or bool(self.finished_since_step) or self.target.has_pending_stores()
 
     def _quiescent(self) -> bool:
         """No transfer or pin outstanding and CPU capacity >= the live working set (C4's premise)."""
@@ -340,6 +397,10 @@ class Engine:
         self.last_plan = observe_plan(pre, post, list((flushed - queued).elements()), rid)
         self.last_finish = {"rid": rid, "keys": expected,
                             "cpu_free_after": self.target.snapshot()["cpu_pool"]["free_queue"].__len__()}
+        for queue in (self.running, self.holding):
+            if rid in queue:
+                queue.remove(rid)
+        self.inflight_prefills.discard(rid)
         if r.status == WAITING_FOR_REMOTE and rid in self.loads_shipped:
             r.free_after_load = True
         else:
@@ -383,7 +444,12 @@ class Engine:
         return self.requests[rid].status
 
     def _preempt(self, r: EngineRequest) -> None:
+        """vLLM ``_preempt_request``: blocks freed (reverse order per group), computed tokens reset,
+        out of the running queue, reported preempted in this step's output."""
         self._free_table(r)
+        if r.request_id in self.running:
+            self.running.remove(r.request_id)
+        self.inflight_prefills.discard(r.request_id)
         r.num_computed_tokens = 0
         r.num_output_placeholders = 0
         r.status = PREEMPTED
@@ -417,18 +483,43 @@ class Engine:
                 blocks[i] = NULL_BLOCK
             self.gpu.free_blocks(removed)
 
-    def _blocks_needed(self, r: EngineRequest, tokens: int) -> int:
-        return max(0, -(-tokens // self.B) - len(r.table[0]))
-
-    def _grow(self, r: EngineRequest, tokens: int) -> list[list[int]] | None:
-        """Allocate blocks (every group) to hold ``tokens``; None if the GPU pool is short."""
-        n = self._blocks_needed(r, tokens)
-        if n * self.G > self.gpu.get_num_free_blocks():
+    def _admission_cap(self, g: int) -> int | None:
+        """vLLM's per-request admission cap of group ``g`` in blocks (``SlidingWindowSpec.
+        max_admission_blocks_per_request``: the window plus one step's tokens, plus one block);
+        None for a full-attention group, which has none."""
+        spec = self.config.groups[g]
+        if spec.kind != "sliding":
             return None
-        new = [self.gpu.get_new_blocks(n) for _ in range(self.G)]
+        return -(-(spec.sliding_window - 1 + self.config.max_num_batched_tokens) // self.B) + 1
+
+    def _required(self, g: int, num_tokens: int, capped: bool) -> int:
+        """Blocks group ``g`` needs for ``num_tokens`` slots; ``capped``: the admission cap applies."""
+        need = -(-num_tokens // self.B)
+        cap = self._admission_cap(g) if capped else None
+        return need if cap is None else min(need, cap)
+
+    def _blocks_to_grow(self, r: EngineRequest, num_tokens: int, capped: bool = False) -> int:
+        """vLLM ``get_num_blocks_to_allocate`` for a request that already holds its table (a
+        running or loaded one): per group, the blocks past its table. O(G)."""
+        return sum(max(self._required(g, num_tokens, capped) - len(r.table[g]), 0) for g in range(self.G))
+
+    def _grow(self, r: EngineRequest, num_tokens: int, reserve_full: bool = False) -> list[list[int]] | None:
+        """vLLM ``allocate_slots`` for a request holding its table: with ``reserve_full`` the whole
+        sequence must fit first; then out-of-window blocks are freed and every group gets the
+        blocks to hold ``num_tokens``. None (nothing allocated) if the GPU pool is short."""
+        if reserve_full and self._blocks_to_grow(r, r.num_tokens, capped=True) > self.gpu.get_num_free_blocks():
+            return None
+        self._remove_skipped_blocks(r)  # vLLM frees them even when the allocation then fails
+        if self._blocks_to_grow(r, num_tokens) > self.gpu.get_num_free_blocks():
+            return None
+        new = [self.gpu.get_new_blocks(max(0, -(-num_tokens // self.B) - len(r.table[g]))) for g in range(self.G)]
         for g in range(self.G):
             r.table[g].extend(new[g])
         return new
+
+    def _remaining_blocks(self, r: EngineRequest) -> int:
+        """vLLM ``_request_remaining_blocks``: what ``r`` still needs to hold its whole sequence."""
+        return self._blocks_to_grow(r, r.num_tokens, capped=True)
 
     def _cache_blocks(self, r: EngineRequest, num_tokens: int) -> None:
         """Hash the full blocks covering ``num_tokens`` (at schedule time, like vLLM)."""
@@ -439,74 +530,150 @@ class Engine:
                 if b != NULL_BLOCK and self.gpu.block_hash[b] is None:
                     self.gpu.insert_block_hash((r.block_hashes[p], g), b)
 
-    def _schedule_running(self, r: EngineRequest, chunk: int, out: SchedulerOutput,
-                          scheduled: dict[str, int]) -> None:
-        self._remove_skipped_blocks(r)  # also for a request that has stopped generating but is not finished
-        n = min(chunk, r.num_tokens - r.num_computed_tokens)
-        if n <= 0:
-            return
-        new = self._grow(r, r.num_computed_tokens + n)
-        if new is None:
-            return
-        self._cache_blocks(r, r.num_computed_tokens + n)
-        out.scheduled_cached_reqs.req_ids.append(r.request_id)
-        out.scheduled_cached_reqs.new_block_ids.append(tuple(new) if any(new) else None)
+    def _schedule_running(self, tokens: StepBudget, out: SchedulerOutput, scheduled: dict[str, int]) -> bool:
+        """vLLM's running pass, in the running queue's order, while the budget lasts: a request with
+        tokens to compute gets its share (out-of-window blocks freed first); when its allocation fails the queue's
+        last request is preempted and the allocation retried, until it succeeds or the request
+        preempted itself, which ends the pass. A request with nothing to compute is passed over
+        untouched. Returns whether anything was preempted (then nobody is admitted this step)."""
+        preempted = False
+        i = 0
+        while i < len(self.running) and tokens.open():
+            r = self.requests[self.running[i]]
+            if r.num_tokens <= r.num_computed_tokens:
+                i += 1
+                continue
+            n = tokens.share(r.num_tokens - r.num_computed_tokens)
+            while (new := self._grow(r, r.num_computed_tokens + n)) is None:
+                victim = self.requests[self.running[-1]]
+                self._preempt(victim)
+                preempted = True
+                if victim is r:
+                    break
+            if new is None:
+                break
+            self._cache_blocks(r, r.num_computed_tokens + n)
+            out.scheduled_cached_reqs.req_ids.append(r.request_id)
+            out.scheduled_cached_reqs.new_block_ids.append(tuple(new) if any(new) else None)
+            scheduled[r.request_id] = n
+            tokens.spend(n)
+            i += 1
+        return preempted
+
+    def _schedule_waiting(self, admit: list[str], tokens: StepBudget, resume: str, out: SchedulerOutput,
+                          scheduled: dict[str, int], resumed_new: list[NewRequestData]) -> None:
+        """vLLM's waiting pass, while the budget lasts: the requests holding a load first (one still
+        loading is passed over), then the admissions; the first allocation that fails ends it."""
+        for rid in list(self.holding):
+            r = self.requests[rid]
+            if not tokens.open():
+                return
+            if r.status == LOADED and not self._schedule_loaded(r, tokens, resume, out, scheduled, resumed_new):
+                return
+        for rid in admit:
+            if not tokens.open() or not self._admit(self.requests[rid], tokens, resume, out, scheduled, resumed_new):
+                return
+
+    def _start(self, r: EngineRequest, n: int, resume: str, out: SchedulerOutput, scheduled: dict[str, int],
+               resumed_new: list[NewRequestData]) -> None:
+        """``r`` joins the running queue with ``n`` tokens scheduled: reported as a new request, or
+        as a resumed one if it was ever preempted (V1 runner: cached data with the resumed flag;
+        V2: new request data after the new ones)."""
+        r.status = RUNNING
+        self.running.append(r.request_id)
+        if r.num_computed_tokens + n < r.num_tokens:
+            self.inflight_prefills.add(r.request_id)
+        full = tuple(list(t) for t in r.table)
+        if r.was_preempted and resume == "mrv1":
+            out.scheduled_cached_reqs.req_ids.append(r.request_id)
+            out.scheduled_cached_reqs.new_block_ids.append(full)
+            out.scheduled_cached_reqs.resumed_req_ids.add(r.request_id)
+        elif r.was_preempted:
+            resumed_new.append(NewRequestData(r.request_id, full))
+        else:
+            out.scheduled_new_reqs.append(NewRequestData(r.request_id, full))
         scheduled[r.request_id] = n
 
-    def _schedule_loaded(self, r: EngineRequest, chunk: int, out: SchedulerOutput,
-                         scheduled: dict[str, int]) -> None:
-        """A request whose load completed: cache the loaded blocks, schedule it as new
-        ("already computed" branch: no lookup, ``update_state_after_alloc(.., 0)``)."""
+    def _schedule_loaded(self, r: EngineRequest, tokens: StepBudget, resume: str, out: SchedulerOutput,
+                         scheduled: dict[str, int], resumed_new: list[NewRequestData]) -> bool:
+        """A request whose load completed (vLLM ``_update_waiting_for_remote_kv``, then the "already
+        computed" branch): cache the loaded blocks, recompute the last token of a full hit, then
+        allocate the chunk (whole sequence first) and ``update_state_after_alloc(.., 0)``.
+        False: the GPU pool is short; it stays loaded and the waiting pass ends."""
         self._cache_blocks(r, r.num_computed_tokens)
         if r.num_computed_tokens == r.num_tokens:
             r.num_computed_tokens -= 1
-        n = min(chunk, r.num_tokens - r.num_computed_tokens)
-        if self._grow(r, r.num_computed_tokens + n) is None:
-            return  # stays LOADED; retried next step
+        n = tokens.share(r.num_tokens - r.num_computed_tokens)
+        if self._grow(r, r.num_computed_tokens + n, reserve_full=True) is None:
+            return False
         self.target.update_state_after_alloc(r, tuple(list(t) for t in r.table), 0)
         self._cache_blocks(r, r.num_computed_tokens + n)
-        r.status = RUNNING
-        out.scheduled_new_reqs.append(NewRequestData(r.request_id, tuple(list(t) for t in r.table)))
-        scheduled[r.request_id] = n
+        self.holding.remove(r.request_id)
+        self._start(r, n, resume, out, scheduled, resumed_new)
+        tokens.spend(n)
+        return True
 
-    def _admit(self, r: EngineRequest, chunk: int, resume: str, out: SchedulerOutput,
-               scheduled: dict[str, int]) -> bool:
-        """GPU hit, connector hit, allocation, ``update_state_after_alloc``. False: GPU full."""
+    def _admission_blocks(self, local_blocks: list[list[int]], local_len: int, computed: int,
+                          num_tokens: int, capped: bool) -> int:
+        """vLLM ``get_num_blocks_to_allocate`` for a request with no table yet, ``local_len`` tokens
+        hit on the GPU (``local_blocks``), ``computed`` hit in all: per group, the blocks for
+        ``num_tokens`` past the larger of the hit and the positions out of the window, plus the
+        free hit blocks inside the window it takes from the free queue. O(hit)."""
+        total = 0
+        for g in range(self.G):
+            skipped = self._skipped(g, computed)
+            total += max(self._required(g, num_tokens, capped) - max(skipped, local_len // self.B), 0)
+            total += sum(1 for b in local_blocks[g][skipped:] if b != NULL_BLOCK and self.gpu.ref_cnt[b] == 0)
+        return total
+
+    def _admit(self, r: EngineRequest, tokens: StepBudget, resume: str, out: SchedulerOutput,
+               scheduled: dict[str, int], resumed_new: list[NewRequestData]) -> bool:
+        """GPU hit, connector hit, ``allocate_slots``, ``update_state_after_alloc``. The whole
+        sequence must fit (vLLM's ``scheduler_reserve_full_isl``, on by default); a CPU hit is an
+        asynchronous load, admitted only beside the blocks that in-flight prefills still need.
+        Hit positions already out of a sliding window get the null block, local hits there are
+        not kept. False: the GPU pool is short (nothing changed on the GPU)."""
         local_blocks, local_len = find_longest_cache_hit(
             self.gpu, r.block_hashes, r.num_tokens - 1, self.config.groups, self.B
         )
         local_len -= local_len % self.B
+        local_blocks = [list(blocks[: local_len // self.B]) for blocks in local_blocks]
         ext, is_async = self.target.get_num_new_matched_tokens(r, local_len)
         computed = local_len + ext
-        n = 0 if is_async else min(chunk, r.num_tokens - computed)
-        hit_blocks = [b for g in local_blocks for b in g if b != NULL_BLOCK]
-        taken_free = sum(1 for b in set(hit_blocks) if self.gpu.ref_cnt[b] == 0)
-        per_group_new = -(-(computed + n) // self.B) - local_len // self.B
-        if taken_free + per_group_new * self.G > self.gpu.get_num_free_blocks():
+        n = 0 if is_async else tokens.share(r.num_tokens - computed)
+        free = self.gpu.get_num_free_blocks()
+        if self._admission_blocks(local_blocks, local_len, computed, r.num_tokens, capped=True) > free:
             return False
-        self.gpu.touch(hit_blocks)
-        r.table = [list(local_blocks[g]) for g in range(self.G)]
+        reserved = sum(self._remaining_blocks(self.requests[q]) for q in self.inflight_prefills) if is_async else 0
+        if self._admission_blocks(local_blocks, local_len, computed, computed + n, capped=False) > free - reserved:
+            return False
+        r.table = []
         for g in range(self.G):
-            # external positions that already left a sliding window get the null block, as
-            # vLLM's ``allocate_new_computed_blocks`` does (the CPU hit has null there too)
-            skip = max(0, self._skipped(g, computed) - local_len // self.B)
-            r.table[g].extend([NULL_BLOCK] * skip + self.gpu.get_new_blocks(per_group_new - skip))
+            skipped = self._skipped(g, computed)
+            kept = local_blocks[g][skipped:]
+            self.gpu.touch([b for b in kept if b != NULL_BLOCK])
+            r.table.append([NULL_BLOCK] * min(skipped, len(local_blocks[g])) + kept)
+        for g in range(self.G):
+            # external positions: null where already out of the window (vLLM's
+            # ``allocate_external_computed_blocks``; the CPU hit has null there too), new blocks after
+            skip = max(0, self._skipped(g, computed) - len(r.table[g]))
+            r.table[g].extend([NULL_BLOCK] * skip)
+            r.table[g].extend(self.gpu.get_new_blocks(max(0, -(-computed // self.B) - len(r.table[g]))))
+        for g in range(self.G):
+            r.table[g].extend(self.gpu.get_new_blocks(max(0, -(-(computed + n) // self.B) - len(r.table[g]))))
         r.num_computed_tokens = local_len
         full = tuple(list(t) for t in r.table)
         self.target.update_state_after_alloc(r, full, ext)
         if is_async:
             r.num_computed_tokens = computed
             r.status = WAITING_FOR_REMOTE
+            self.holding.append(r.request_id)
+            self.inflight_prefills.add(r.request_id)
             return True
         self._cache_blocks(r, computed + n)
-        r.status = RUNNING
-        if r.was_preempted and resume == "mrv1":
-            out.scheduled_cached_reqs.req_ids.append(r.request_id)
-            out.scheduled_cached_reqs.new_block_ids.append(full)
-            out.scheduled_cached_reqs.resumed_req_ids.add(r.request_id)
-        else:
-            out.scheduled_new_reqs.append(NewRequestData(r.request_id, full))
-        scheduled[r.request_id] = n
+        r.num_computed_tokens = computed
+        self._start(r, n, resume, out, scheduled, resumed_new)
+        tokens.spend(n)
         return True
 
     # -- workers ------------------------------------------------------------------------------

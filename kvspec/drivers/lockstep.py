@@ -17,14 +17,11 @@ both and compares, in this order:
 
 The first divergence is reported with its section, the first differing field (as
 ``path: reference L != target R``, the left side being the reference), and every section that
-differs. ``MASKS`` take one known difference out of a comparison so that the next one shows:
-vLLM options that make vLLM do what the engine does there, or a rewrite of the operations for
-both sides. ``kvspec.drivers.divergence`` names the causes and measures them.
+differs. ``kvspec.drivers.divergence`` names the causes and measures them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
@@ -174,59 +171,18 @@ def compare_sections(left: dict[str, Any], right: dict[str, Any], sections: tupl
     return out
 
 
-# -- masks ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Mask:
-    """A known difference taken out of a comparison: vLLM options that make vLLM do what the engine
-    does there, or a rewrite of the operations for both sides."""
-
-    klass: str
-    vllm: tuple[tuple[str, Any], ...] = ()
-    rewrite: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-
-
-def _resume_mrv1(op: dict[str, Any]) -> dict[str, Any]:
-    return {**op, "resume": "mrv1"} if op.get("resume") == "mrv2" else op
-
-
-MASKS: dict[str, Mask] = {
-    "running-order": Mask("running-queue order", (("align_running_order", True),)),
-    "full-prompt": Mask("admission reserves the whole prompt", (("reserve_full_isl", False),)),
-    "mrv2-order": Mask("mrv2: resumed requests listed after new ones", rewrite=_resume_mrv1),
-    "idle-step": Mask("idle step: engine core does not schedule without requests", (("step_when_idle", True),)),
-    "window-every-step": Mask("out-of-window blocks freed for a request given no tokens",
-                              (("free_window_every_step", True),)),
-}
-
-
-def masked_options(options: SchedulerOptions | None, masks: frozenset[str]) -> SchedulerOptions:
-    """``options`` with the vLLM settings of ``masks``."""
-    return replace(options or SchedulerOptions(), **{k: v for name in sorted(masks) for k, v in MASKS[name].vllm})
-
-
-def rewrite(op: dict[str, Any], masks: frozenset[str]) -> dict[str, Any]:
-    """``op`` as ``masks`` have both sides see it."""
-    for name in sorted(masks):
-        if (fn := MASKS[name].rewrite) is not None:
-            op = fn(op)
-    return op
-
-
 # -- the lockstep ---------------------------------------------------------------------------------
 
 
 class Lockstep:
-    """Two sides fed the same operations, with ``masks`` (names of ``MASKS``) rewriting them."""
+    """Two sides fed the same operations."""
 
-    def __init__(self, left: Side, right: Side, masks: frozenset[str] = frozenset()) -> None:
-        self.left, self.right, self.masks = left, right, masks
+    def __init__(self, left: Side, right: Side) -> None:
+        self.left, self.right = left, right
         self.ops_compared = 0
 
     def step(self, index: int, op: dict[str, Any]) -> Divergence | None:
         """Apply ``op`` to both sides; the divergence it causes, or None."""
-        op = rewrite(op, self.masks)
         mine, theirs = apply_op(self.left, op), apply_op(self.right, op)
         if not mine.same_as(theirs):
             return Divergence(index, op, "outcome", f"{self.left.name} {mine.kind} {mine.detail!r} != "
@@ -251,11 +207,9 @@ class Lockstep:
         return None
 
 
-def engine_vs_vllm(config: OffloadConfig, options: SchedulerOptions | None = None,
-                   masks: frozenset[str] = frozenset()) -> Lockstep:
+def engine_vs_vllm(config: OffloadConfig, options: SchedulerOptions | None = None) -> Lockstep:
     """The engine (left) against vLLM (right; synchronous unless ``options`` say otherwise)."""
-    opts = masked_options(options or SchedulerOptions(async_scheduling=False), masks)
-    return Lockstep(EngineSide(config), VllmSide(config, opts), masks)
+    return Lockstep(EngineSide(config), VllmSide(config, options or SchedulerOptions(async_scheduling=False)))
 
 
 def sync_vs_async(config: OffloadConfig) -> Lockstep:
@@ -265,9 +219,9 @@ def sync_vs_async(config: OffloadConfig) -> Lockstep:
                     VllmSide(config, SchedulerOptions(async_scheduling=True)))
 
 
-def run_lockstep(config: OffloadConfig, ops: list[dict[str, Any]], options: SchedulerOptions | None = None,
-                 masks: frozenset[str] = frozenset()) -> tuple[Divergence | None, int]:
+def run_lockstep(config: OffloadConfig, ops: list[dict[str, Any]],
+                 options: SchedulerOptions | None = None) -> tuple[Divergence | None, int]:
     """The first divergence of ``ops`` between the engine and vLLM, or None; and the operations
     compared."""
-    lock = engine_vs_vllm(config, options, masks)
+    lock = engine_vs_vllm(config, options)
     return lock.run(ops), lock.ops_compared

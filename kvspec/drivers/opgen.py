@@ -18,16 +18,16 @@ live cursors, re-stores, out-of-space) builds up in short traces:
 * **adds** draw prompts from a few *families*, so requests share prefixes and hit each other's
   blocks on GPU and CPU; prompt lengths hit block boundaries often;
 * **steps** admit waiting and preempted requests in random order, preempt running ones, vary
-  the chunk size (prefill in several chunks, off-boundary chunks) and the resume style
-  (``mrv1``/``mrv2``);
+  the chunk size (prefill in several chunks, off-boundary chunks), the resume style
+  (``mrv1``/``mrv2``) and, now and then, a step token budget that several requests share;
 * **reports** deliver store completions one rank count at a time or several at once, for any
   in-flight event, in any order; **load_done** completes shipped loads in any order;
 * **finishes** hit requests in every phase (waiting, running, waiting for a load, loaded,
   preempted), preferring those that are done; **resets** are rare, with transfers in flight
   or not;
 * **invalid** operations name an unknown request or event, finish twice, admit a running
-  request, add a request twice or with a bad field, ask for a zero chunk or one report too
-  many. Every one of them can be written in a trace (``kvspec.drivers.trace``).
+  request, preempt a loaded one, add a request twice or with a bad field, ask for a zero chunk
+  or budget, or one report too many. Every one of them can be written in a trace (``kvspec.drivers.trace``).
 
 ``random_config`` draws the small configurations the fuzzer and the state machine run on
 (small pools, so that the rare paths are common). Each builder is O(requests of the engine).
@@ -51,6 +51,7 @@ CROWDED = 6  # active requests from which adds become rare
 MAX_PROMPT_BLOCKS = 6
 ADMIT_CHANCE = 0.7  # each waiting or preempted request, per step
 PREEMPT_CHANCE = 0.08  # each running request, per step
+BUDGET_CHANCE = 0.3  # a step carries a token budget (vLLM's max_num_batched_tokens for it)
 WHOLE_REPORT_CHANCE = 0.5  # a report delivers every rank still due at once
 FINISH_DONE_CHANCE = 0.7  # a finish picks a request that is done, when there is one
 UNKNOWN_REQUEST = "no-such-request"
@@ -224,6 +225,7 @@ class OpGenerator:
         self.num_families = max(1, mix.num_families)
         b = config.block_size
         self.chunks = sorted({b, 2 * b, 3 * b, b + 1, max(1, b - 1), config.max_num_batched_tokens, 5 * b})
+        self.budgets = sorted({1, b, 2 * b + 1, 4 * b, config.max_num_batched_tokens})
         self.builders: dict[str, Callable[[Engine], Op]] = {
             "add": self.add, "step": self.step, "report": self.report, "load_done": self.load_done,
             "finish": self.finish, "reset": self.reset,
@@ -250,14 +252,16 @@ class OpGenerator:
     def step(self, engine: Engine) -> Op:
         """Preempt some running requests, admit some waiting or preempted ones (with
         ``readmit_preempted``, also some of those this step preempts) in a random order, with a
-        chunk from ``chunks``; a resume style when it matters."""
+        chunk from ``chunks``; a resume style when it matters; sometimes a token budget."""
         c = self.choices
         waiting = [rid for rid, r in engine.live.items() if r.status in (WAITING, PREEMPTED)]
-        running = [rid for rid, r in engine.live.items() if r.status in (RUNNING, LOADED)]
+        running = [rid for rid, r in engine.live.items() if r.status == RUNNING]
         preempt = c.subset(running, PREEMPT_CHANCE)
         admissible = waiting + preempt if self.mix.readmit_preempted else waiting
         admit = c.shuffled(c.subset(admissible, ADMIT_CHANCE))
         op: Op = {"op": "step", "admit": admit, "chunk": c.pick(self.chunks)}
+        if c.chance(BUDGET_CHANCE):
+            op["budget"] = c.pick(self.budgets)
         if preempt:
             op["preempt"] = preempt
         if preempt or any(engine.requests[r].was_preempted for r in admit):
@@ -295,6 +299,7 @@ class OpGenerator:
             {"op": "load_done", "rid": UNKNOWN_REQUEST},
             {"op": "report", "event": UNKNOWN_EVENT + c.integer(0, UNKNOWN_EVENT_SPREAD - 1), "count": 1},
             {"op": "step", "admit": [], "chunk": 0},
+            {"op": "step", "admit": [], "budget": 0},
             {"op": "step", "admit": [UNKNOWN_REQUEST]},
             {"op": "add", "rid": "", "family": 0, "prompt_len": 1},
             {"op": "add", "rid": UNKNOWN_REQUEST, "family": -1, "prompt_len": b},
@@ -302,6 +307,9 @@ class OpGenerator:
         reqs = engine.requests
         finished = [rid for rid, r in reqs.items() if r.status == FINISHED]
         running = [rid for rid, r in reqs.items() if r.status == RUNNING]
+        loaded = [rid for rid, r in reqs.items() if r.status == LOADED]
+        if loaded:  # vLLM preempts running requests only
+            options.append({"op": "step", "admit": [], "preempt": [c.pick(loaded)]})
         if finished:
             options.append({"op": "finish", "rid": c.pick(finished)})
         if running:
