@@ -50,14 +50,15 @@ fi
 banner "vLLM conformance stage passed"
 
 # vLLM's real scheduler (Scheduler/AsyncScheduler with the SimpleCPUOffloadConnector) in lockstep
-# with the engine model: tests/test_vllm_scheduler.py, bounded by `timeout 240` (the whole stage
-# stays under ~5 minutes on a 2-core machine). Saved divergence traces are strict expected
-# failures until the engine is fixed; a divergence of an unknown cause fails the stage.
+# with the engine model: tests/test_vllm_scheduler.py with 250 random traces of 120 operations
+# per configuration family (1,000 in all), bounded by `timeout 480`. Any divergence of the engine
+# from vLLM's synchronous scheduler fails the stage; saved traces of the engine against the async
+# scheduler are strict expected failures (the engine models synchronous scheduling).
 rc=0
-KVSPEC_REQUIRE_VLLM=1 timeout 240 .vllm-venv/bin/python -m pytest -q -rs -m vllm -p no:cacheprovider \
-  -s tests/test_vllm_scheduler.py || rc=$?
+KVSPEC_REQUIRE_VLLM=1 KVSPEC_VLLM_SCHEDULER_TRACES=250 timeout 480 .vllm-venv/bin/python -m pytest -q -rs -m vllm \
+  -p no:cacheprovider -s tests/test_vllm_scheduler.py || rc=$?
 if [ "$rc" = 124 ]; then
-  banner "vLLM scheduler lockstep FAILED: timed out after 240 s"
+  banner "vLLM scheduler lockstep FAILED: timed out after 480 s"
   exit 1
 fi
 if [ "$rc" = 5 ]; then

@@ -253,10 +253,11 @@ class Template:
 
 def _step_template(policy: str, op: Mapping[str, Any], rid: str, pre: AbstractRequest,
                    post: AbstractRequest) -> tuple[str, ...]:
-    """A step: preemption, admission (full table) or a loaded request's full table, the
-    schedule, others' evictions and stores around the focal request's plan, repair's phase,
-    then the computed tokens advance."""
-    preempted = rid in (op.get("preempt") or ())
+    """A step: preemption (named by the operation, or the scheduler's own when an allocation
+    fails), admission (full table) or a loaded request's full table, the schedule, others'
+    evictions and stores around the focal request's plan, repair's phase, then the computed
+    tokens advance."""
+    preempted = rid in (op.get("preempt") or ()) or (pre.status == "running" and post.status == "preempted")
     admitted = rid in (op.get("admit") or ()) and post.status in ADMITTED_TO and (
         preempted or pre.status in ADMITTED_FROM or pre.status is None)
     head: list[str] = []

@@ -82,13 +82,13 @@ def test_a_cpu_block_finding_names_the_pins_and_transfers() -> None:
     """I4 (pin-leak): the block's listings are what its ref count should equal."""
     f = narrated("pin-leak").stories[-1].finding
     assert f is not None
-    assert any(d.startswith("CPU block 1: listed by ") and "ref 2" in d for d in f.details)
+    assert any(d.startswith("CPU block 1: listed by load of r1, CPU pin of r4") and "ref 3" in d for d in f.details)
 
 
 def test_a_dropped_store_event_is_not_called_completed() -> None:
     """reset-releases-inflight: the scheduler drops event 0 with its report still outstanding."""
     reset = narrated("reset-releases-inflight").stories[-1]
-    assert any("store event 0 dropped by the scheduler with 1 rank report still outstanding" in e
+    assert any("store event 0 dropped by the scheduler with 2 rank reports still outstanding" in e
                for e in reset.events)
     assert reset.finding is not None and any(d.startswith("store event 0: no longer held by the scheduler")
                                              for d in reset.finding.details)

@@ -37,7 +37,8 @@ pytestmark = [pytest.mark.vllm,
 
 TRACES = Path(__file__).parent / "traces" / "vllm_scheduler"
 ENGINE_MODES = ("engine", "engine-async")  # the engine against vLLM: sync (fixed) and async (not modelled)
-RANDOM_TRACES = int(os.environ.get("KVSPEC_VLLM_SCHEDULER_TRACES", "5"))  # per family and mode
+RANDOM_TRACES = int(os.environ.get("KVSPEC_VLLM_SCHEDULER_TRACES", "5"))  # per family, engine against sync vLLM
+ASYNC_TRACES = 5  # per family, vLLM sync against async
 
 
 def add(rid: str, family: int, prompt_len: int, max_tokens: int = 1) -> dict[str, Any]:
@@ -295,14 +296,14 @@ def test_random_traces_of_async_scheduling_differ_for_known_causes() -> None:
 
     seen: dict[str, int] = {}
     for family in FAMILIES:
-        tally = measure("async", family, seed=1, count=RANDOM_TRACES, n_ops=120)
+        tally = measure("async", family, seed=1, count=ASYNC_TRACES, n_ops=120)
         unknown = {k: tally.examples[k].divergence.describe() for k in tally.classes
                    if k.endswith(UNCLASSIFIED) or "crash" in k}
         assert not unknown, f"async / {family}: divergences of no known cause: {unknown}"
         assert tally.ops > 0
         for klass, n in tally.classes.items():
             seen[klass] = seen.get(klass, 0) + n
-    print(f"\n[vllm scheduler lockstep] async: {RANDOM_TRACES} traces per family; first divergences: {seen}")
+    print(f"\n[vllm scheduler lockstep] async: {ASYNC_TRACES} traces per family; first divergences: {seen}")
 
 
 # -- saved divergence traces ------------------------------------------------------------------------

@@ -7,15 +7,18 @@ flight, no output placeholders, no deferred frees):
 * **Requests** have prompt tokens drawn from a *family* (same family, same prefix,
   same chained hashes), so prefixes are shared on purpose; sampled tokens are
   unique per request.
-* **step** is one ``schedule()``: explicit preemptions first (blocks freed in
-  reverse order per group); running requests get a chunk of prefill or one decode
-  token, sliding-window blocks that left the window are freed first
-  (``remove_skipped_blocks``; the connector is not told); requests whose load
-  completed are scheduled through the "already computed" branch; admissions do
-  the GPU-local lookup, the connector lookup, the allocation and
-  ``update_state_after_alloc``. Then ``build_connector_meta``, then the computed
-  counts advance (so tokens are *confirmed one step late*), GPU blocks were hashed
-  at schedule time, the forward runs and a token is sampled where the prompt is done.
+* **step** is one ``schedule()`` of vLLM 0.33.0's synchronous ``Scheduler`` (``op_step`` gives
+  the order; judged against the real one by ``kvspec.drivers.lockstep``): explicit
+  preemptions first (blocks freed in reverse order per group); the running queue in
+  admission order, with vLLM's preemption from its tail when an allocation fails;
+  sliding-window blocks that left the window are freed before a request's allocation
+  (``remove_skipped_blocks``; the connector is not told); then the requests holding a load
+  (a completed one through the "already computed" branch) and the admissions: the GPU-local
+  lookup, the connector lookup, the whole-sequence and async-load reservations, the
+  allocation and ``update_state_after_alloc``. ``chunk`` and ``budget`` are vLLM's long-prefill
+  threshold and step token budget. Then ``build_connector_meta``, then the computed counts
+  advance (so tokens are *confirmed one step late*), GPU blocks were hashed at schedule
+  time, the forward runs and a token is sampled where the prompt is done.
 * **Workers**: loads copy CPU data to GPU when shipped; stores copy GPU data after
   the step's forward (the compute-done barrier) and land in the CPU when the last
   rank reports. ``report`` delivers one rank count for one event, in any order.

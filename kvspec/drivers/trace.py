@@ -56,7 +56,8 @@ _FINDING_KEYS = ("kind", "op_index", "invariant", "exception")
 # op name -> {arg: (type, required)}
 OP_ARGS: dict[str, dict[str, tuple[type, bool]]] = {
     "add": {"rid": (str, True), "family": (int, True), "prompt_len": (int, True), "max_tokens": (int, False)},
-    "step": {"admit": (list, False), "chunk": (int, False), "preempt": (list, False), "resume": (str, False)},
+    "step": {"admit": (list, False), "chunk": (int, False), "preempt": (list, False), "resume": (str, False),
+             "budget": (int, False)},
     "report": {"event": (int, True), "count": (int, False)},
     "load_done": {"rid": (str, True)},
     "finish": {"rid": (str, True)},
