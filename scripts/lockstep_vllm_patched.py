@@ -23,7 +23,7 @@ from test_vllm_patched import CONFIGS, lockstep, policy_trace
 
 from kvspec.drivers.trace import Trace
 
-POLICY = {"vllm+pr47235": "signal-rescan"}
+POLICY = {"vllm+pr47235": "signal-rescan", "vllm+repair": "repair"}
 
 
 def main() -> int:

@@ -1,7 +1,10 @@
 """Real vLLM 0.33.0 with kvspec's patches, in lockstep with the policies they implement.
 
 ``patches/vllm-0.33.0/pr47235.diff`` is PR #47235 as its description states it; the model's
-``signal-rescan`` policy is the same change. Here the patched vLLM (target ``vllm+pr47235``,
+``signal-rescan`` policy is the same change. ``patches/vllm-0.33.0/repair.diff`` writes the
+model's ``repair`` policy into vLLM (target ``vllm+repair``, venv ``.vllm-repair-venv``); the
+lockstep and hazard tests below run for it the same way, its policy state being the
+manager's lost records, hashes in flight and repair counters. Here the patched vLLM (target ``vllm+pr47235``,
 run from the venv ``scripts/setup-vllm-patched.sh pr47235`` builds) and the model must agree
 after every operation, down to the snapshot's JSON text, including the policy state (the CPU
 pool's eviction flag, read from vLLM's own ``BlockPool``):
@@ -62,6 +65,8 @@ if REQUIRED and PATCH != REQUIRED:
 
 PR = pytest.mark.skipif(PATCH != "pr47235", reason=f"needs vLLM + pr47235 ({PATCH_WHY or f'running {PATCH}'}); "
                         "build it with scripts/setup-vllm-patched.sh pr47235")
+REPAIR = pytest.mark.skipif(PATCH != "repair", reason=f"needs vLLM + repair ({PATCH_WHY or f'running {PATCH}'}); "
+                            "build it with scripts/setup-vllm-patched.sh repair")
 TRACES = int(os.environ.get("KVSPEC_VLLM_PATCHED_TRACES", "12"))
 OPS_PER_TRACE = 300
 TRACE_DIR = Path(__file__).parent / "traces" / "vllm_patched"
@@ -136,6 +141,39 @@ def test_signal_rescan_model_agrees_with_vllm_pr47235(name: str, tmp_path: Path)
     assert ops_done == TRACES * OPS_PER_TRACE
 
 
+@pytest.mark.vllm
+@REPAIR
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_repair_model_agrees_with_vllm_repair(name: str, tmp_path: Path) -> None:
+    config = replace(CONFIGS[name], policy="repair")
+    ops_done = 0
+    for seed in range(TRACES):
+        ops = policy_trace(config, seed)
+        d = lockstep(config, ops, "vllm+repair")
+        if d is not None:
+            path = _write(config, seed, ops, d[0], d[1], tmp_path, "vllm+repair")
+            pytest.fail(f"{name} seed {seed}: operation {d[0]}: {d[1]}\ntrace: {path}")
+        ops_done += len(ops)
+    print(f"\n[vllm+repair lockstep] {name}: {TRACES} traces, {ops_done} operations in agreement")
+    assert ops_done == TRACES * OPS_PER_TRACE
+
+
+@pytest.mark.vllm
+@REPAIR
+def test_repair_lockstep_exercises_restores() -> None:
+    """The repair traces reach the re-store path: lost records and planned re-stores show in the
+    policy state that the lockstep compares, on the patched vLLM itself."""
+    config = replace(CONFIGS["full-ws1"], policy="repair")
+    seen_lost = seen_restores = 0
+    run = Run(config, get_factory("vllm+repair"), ())
+    for op in policy_trace(config, 0):
+        run.apply(op)
+        state = run.engine.snapshot()["scheduler"]["policy_state"]
+        seen_lost += bool(state["lost"])
+        seen_restores += state["restores_last_plan"] > 0
+    assert seen_lost and seen_restores, (seen_lost, seen_restores)
+
+
 def _model_with(options: SignalRescanOptions) -> Callable[[OffloadConfig], OffloadScheduler]:
     from kvspec.model.block_pool import BlockPool
 
@@ -178,6 +216,15 @@ def test_factory_refuses_a_vllm_without_the_patch() -> None:
     else:
         with pytest.raises(ConfigError, match=r"setup-vllm-patched\.sh pr47235"):
             get_factory("vllm+pr47235")(config)
+    repair = replace(config, policy="repair")
+    if PATCH == "repair":
+        assert get_factory("vllm+repair")(repair).snapshot()["scheduler"]["policy_state"] == (
+            make_scheduler(repair).snapshot()["scheduler"]["policy_state"])
+        with pytest.raises(ConfigError, match="implements the 'repair' policy"):
+            get_factory("vllm+repair")(config)
+    else:
+        with pytest.raises(ConfigError, match=r"setup-vllm-patched\.sh repair"):
+            get_factory("vllm+repair")(repair)
 
 
 @pytest.mark.vllm
@@ -187,8 +234,8 @@ def test_plain_vllm_targets_refuse_a_patched_vllm() -> None:
     so a verdict on patched code is never reported as one on vLLM 0.33.0."""
     config = replace(CONFIGS["full-ws1"], policy="baseline")
     for name in ("vllm", "vllm@0.33.0"):
-        if PATCH == "pr47235":
-            with pytest.raises(ConfigError, match="patched with 'pr47235'"):
+        if PATCH is not None:
+            with pytest.raises(ConfigError, match=f"patched with '{PATCH}'"):
                 get_factory(name)(config)
         else:
             assert get_factory(name)(config).snapshot()["scheduler"]["policy"] == "baseline"
@@ -245,17 +292,25 @@ def _plain(value: Any) -> Any:
     return list(value)
 
 
-def _hazard_tests() -> list[tuple[str, dict[str, Any]]]:
+def _hazard_tests(policy: str = "signal-rescan") -> list[tuple[str, dict[str, Any]]]:
+    """The hazard tests that run on ``policy``: those taking a ``policy`` parameter whose
+    parametrization lists it, and the policy's own scenarios (``test_pr_*`` for
+    ``signal-rescan``, names with ``repair`` for ``repair``)."""
     import test_hazards
 
+    own = {"signal-rescan": "test_pr_", "repair": "_repair_"}[policy]
     cases = []
     for name, fn in inspect.getmembers(test_hazards, inspect.isfunction):
         if not name.startswith("test_"):
             continue
         params = inspect.signature(fn).parameters
-        if "policy" not in params and not name.startswith("test_pr_"):
-            continue  # a scenario of another policy only (repair)
-        kw: dict[str, Any] = {"policy": "signal-rescan"} if "policy" in params else {}
+        if "policy" in params:
+            marks = [m for m in getattr(fn, "pytestmark", []) if m.name == "parametrize" and m.args[0] == "policy"]
+            if marks and policy not in marks[0].args[1]:
+                continue
+        elif own not in name:
+            continue  # a scenario of another policy only
+        kw: dict[str, Any] = {"policy": policy} if "policy" in params else {}
         for finish_at_once in ((False, True) if "finish_at_once" in params else (None,)):
             cases.append((name, kw if finish_at_once is None else {**kw, "finish_at_once": finish_at_once}))
     return cases
@@ -272,6 +327,31 @@ def test_hazard_scenarios_on_vllm_pr47235(name: str, kw: dict[str, Any], monkeyp
     import test_hazards
 
     real = get_factory("vllm+pr47235")
+    built: list[Tandem] = []
+
+    def paired(config: OffloadConfig) -> Any:
+        t = Tandem(make_scheduler(config), real(config))
+        built.append(t)
+        return t
+
+    monkeypatch.setattr(test_hazards, "make_scheduler", paired)
+    monkeypatch.setattr(scenario_kit, "make_scheduler", paired)
+    getattr(test_hazards, name)(**kw)
+    assert built, f"{name} built no scheduler"
+
+
+@pytest.mark.vllm
+@REPAIR
+@pytest.mark.parametrize(("name", "kw"), _hazard_tests("repair"), ids=lambda v: v if isinstance(v, str) else "")
+def test_hazard_scenarios_on_vllm_repair(name: str, kw: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each hazard test of ``tests/test_hazards.py`` on ``repair`` runs with every model scheduler
+    it builds paired with a ``vllm+repair`` target (``Tandem``): its own assertions (the repair
+    outcomes: full hits after T2, T3, H1, H3; no thrash, H6; new blocks first, H8) hold and vLLM
+    agrees with the model after every call."""
+    import scenario_kit
+    import test_hazards
+
+    real = get_factory("vllm+repair")
     built: list[Tandem] = []
 
     def paired(config: OffloadConfig) -> Any:

@@ -24,6 +24,7 @@ _FACTORIES: dict[str, str] = {
     "impl": "kvspec.impl:make_scheduler",
     "vllm": "kvspec.adapters.vllm:make_vllm_target",
     "vllm+pr47235": "kvspec.adapters.vllm_patched:make_vllm_pr47235_target",
+    "vllm+repair": "kvspec.adapters.vllm_patched:make_vllm_repair_target",
 }
 
 

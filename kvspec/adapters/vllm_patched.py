@@ -9,6 +9,10 @@ anything else:
 * ``vllm+pr47235``: PR #47235 as its description states it, with the open details decided
   as the ``signal-rescan`` policy's defaults. Its policy state is the CPU pool's eviction
   flag (``BlockPool._had_recent_eviction``), read back as ``eviction_flag``.
+* ``vllm+repair``: kvspec's ``repair`` policy (``kvspec.model.repair``) written into vLLM.
+  Its policy state is read from the manager's repair records (``_repair_lost``,
+  ``_in_flight_store_hashes``) and counters (``eviction_repair_stats``), in the format of
+  ``RepairPolicy.snapshot``.
 
 The target is the baseline adapter (``kvspec.adapters.vllm.VllmTarget``) with the policy's
 name and its policy state read from vLLM's own objects into kvspec's snapshot format, so
@@ -20,13 +24,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvspec.adapters.vllm import VLLM_VERSION, VllmTarget, _import_vllm
+from kvspec.adapters.vllm import VLLM_VERSION, VllmTarget, _import_vllm, _key_text
 from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import ConfigError
 
 # target name -> (patch name, the kvspec policy it implements)
 PATCHED_TARGETS: dict[str, tuple[str, str]] = {
     "vllm+pr47235": ("pr47235", "signal-rescan"),
+    "vllm+repair": ("repair", "repair"),
 }
 
 
@@ -75,3 +80,36 @@ def make_vllm_pr47235_target(config: OffloadConfig) -> VllmPr47235Target:
     v = _import_vllm()
     _check_patch("vllm+pr47235", config)
     return VllmPr47235Target(config, v)
+
+
+class VllmRepairTarget(VllmTarget):
+    """vLLM 0.33.0 + ``patches/vllm-0.33.0/repair.diff``: the ``repair`` policy in vLLM's code."""
+
+    policy_name = "repair"
+
+    def policy_state(self) -> dict[str, Any]:
+        """The manager's lost records, hashes in flight and repair counters, as
+        ``RepairPolicy.snapshot`` reports them."""
+        mgr = self.manager
+        stats = mgr.eviction_repair_stats
+        return {
+            "lost": sorted([rid, g, p] for rid, g, p in mgr._repair_lost),
+            "in_flight_keys": sorted(_key_text(k) for k in mgr._in_flight_store_hashes),
+            "restores_last_plan": stats.restores_last_plan,
+            "lost_keys_at_repair": stats.lost_hashes_at_repair,
+            "self_evictions": stats.self_evictions,
+            "useful_evicted_by_restores": stats.useful_evicted_by_restores,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = super().snapshot()
+        snap["scheduler"]["policy_state"] = self.policy_state()
+        return snap
+
+
+def make_vllm_repair_target(config: OffloadConfig) -> VllmRepairTarget:
+    """vLLM 0.33.0 + the repair patch as an ``OffloadTarget`` (policy ``repair``)."""
+    config.validate()
+    v = _import_vllm()
+    _check_patch("vllm+repair", config)
+    return VllmRepairTarget(config, v)
