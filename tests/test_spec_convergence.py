@@ -55,33 +55,31 @@ def test_a_round_that_never_has_room_is_vacuous(monkeypatch: pytest.MonkeyPatch)
     assert _run("bounded:convergence:round-decreases[N<=8]") == "vacuous"
 
 
-def _plan_forgets_stores(enc: Encoding, policy: str, s: State) -> tr.Step:
-    """The scan advances the cursor but its selections are never put in flight."""
-    st = tr.plan_scan(enc, policy, s)
-    post = st.post
-    for g in range(enc.G):
-        post = post.with_group(g, infl=s.groups[g].arr["infl"])
-    return tr.Step(post, st.constraints, scan=st.scan, inputs=st.inputs)
+def _keeping(transition: Any, field: str, doc: str) -> Any:
+    """``transition`` mutated to leave array ``field`` of every group as it was before the step."""
+    def mutated(enc: Encoding, policy: str, s: State) -> tr.Step:
+        st = transition(enc, policy, s)
+        post = st.post
+        for g in range(enc.G):
+            post = post.with_group(g, **{field: s.groups[g].arr[field]})
+        return tr.Step(post, st.constraints, scan=st.scan, inputs=st.inputs)
+    mutated.__doc__ = doc
+    return mutated
+
+
+ALL_POLICIES = ("baseline", "signal-rescan", "repair")
 
 
 def test_a_scan_that_leaves_holes_breaks_the_ranking(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(tr.TRANSITIONS, "plan", (_plan_forgets_stores, ("baseline", "signal-rescan", "repair")))
+    forgets = _keeping(tr.plan_scan, "infl", "The scan advances the cursor but its selections are never put in flight.")
+    monkeypatch.setitem(tr.TRANSITIONS, "plan", (forgets, ALL_POLICIES))
     assert _run("convergence:non-increasing") == "fails"
     assert _run("bounded:convergence:non-increasing[N<=8]") == "fails"
 
 
-def _records_only_when_unregistered(enc: Encoding, policy: str, s: State) -> tr.Step:
-    """An eviction that gives no owner a lost record."""
-    st = tr.evict(enc, policy, s)
-    post = st.post
-    for g in range(enc.G):
-        post = post.with_group(g, lost=s.groups[g].arr["lost"])
-    return tr.Step(post, st.constraints, inputs=st.inputs)
-
-
 def test_an_eviction_without_records_breaks_the_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(tr.TRANSITIONS, "evict", (_records_only_when_unregistered, ("baseline", "signal-rescan",
-                                                                                       "repair")))
+    no_records = _keeping(tr.evict, "lost", "An eviction that gives no owner a lost record.")
+    monkeypatch.setitem(tr.TRANSITIONS, "evict", (no_records, ALL_POLICIES))
     assert _run("convergence:invariant") == "fails"
 
 
