@@ -76,7 +76,7 @@ banner "vLLM scheduler lockstep passed"
 # tests/test_vllm_patched.py in that venv: the policy's model in lockstep with the patched
 # vLLM on random traces, the hazard scenarios on both, the fuzzer's saved findings.
 # Bounded by `timeout 300` per patch; skipped loudly when the registry is unreachable.
-for patch in pr47235; do
+for patch in pr47235 repair; do
   rc=0
   scripts/setup-vllm-patched.sh "$patch" || rc=$?
   if [ "$rc" = 3 ]; then
