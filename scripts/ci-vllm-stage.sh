@@ -20,6 +20,28 @@ banner() {
   echo "=============================================================================="
 }
 
+# run_tests NAME TIMEOUT PYTHON TESTFILE [ENV=VALUE...]: pytest on TESTFILE (marker vllm) with
+# PYTHON under `timeout TIMEOUT`; a timeout, no test collected or any failure ends the stage
+# with a non-zero exit and a banner naming NAME.
+run_tests() {
+  local name=$1 limit=$2 python=$3 file=$4 rc=0
+  shift 4
+  env "$@" timeout "$limit" "$python" -m pytest -q -s -rs -m vllm -p no:cacheprovider "$file" || rc=$?
+  if [ "$rc" = 124 ]; then
+    banner "$name FAILED: timed out after $limit s"
+    exit 1
+  fi
+  if [ "$rc" = 5 ]; then
+    banner "$name FAILED: no vLLM test was collected"
+    exit 1
+  fi
+  if [ "$rc" != 0 ]; then
+    banner "$name FAILED (pytest exit $rc)"
+    exit "$rc"
+  fi
+  banner "$name passed"
+}
+
 rc=0
 scripts/setup-vllm-venv.sh || rc=$?
 if [ "$rc" = 3 ]; then
@@ -32,44 +54,16 @@ if [ "$rc" != 0 ]; then
 fi
 
 export KVSPEC_VLLM_TRACE_DIR=${KVSPEC_VLLM_TRACE_DIR:-"$here/out/vllm-divergences"}
-rc=0
-KVSPEC_REQUIRE_VLLM=1 timeout 900 .vllm-venv/bin/python -m pytest -q -s -rs -m vllm -p no:cacheprovider \
-  tests/test_vllm_conformance.py || rc=$?
-if [ "$rc" = 124 ]; then
-  banner "vLLM conformance stage FAILED: timed out after 900 s"
-  exit 1
-fi
-if [ "$rc" = 5 ]; then
-  banner "vLLM conformance stage FAILED: no vLLM test was collected"
-  exit 1
-fi
-if [ "$rc" != 0 ]; then
-  banner "vLLM conformance stage FAILED (pytest exit $rc); traces in $KVSPEC_VLLM_TRACE_DIR"
-  exit "$rc"
-fi
-banner "vLLM conformance stage passed"
+echo "vLLM conformance: failing traces go to $KVSPEC_VLLM_TRACE_DIR"
+run_tests "vLLM conformance stage" 900 .vllm-venv/bin/python tests/test_vllm_conformance.py KVSPEC_REQUIRE_VLLM=1
 
 # vLLM's real scheduler (Scheduler/AsyncScheduler with the SimpleCPUOffloadConnector) in lockstep
 # with the engine model: tests/test_vllm_scheduler.py with 250 random traces of 120 operations
 # per configuration family (1,000 in all), bounded by `timeout 480`. Any divergence of the engine
 # from vLLM's synchronous scheduler fails the stage; saved traces of the engine against the async
 # scheduler are strict expected failures (the engine models synchronous scheduling).
-rc=0
-KVSPEC_REQUIRE_VLLM=1 KVSPEC_VLLM_SCHEDULER_TRACES=250 timeout 480 .vllm-venv/bin/python -m pytest -q -rs -m vllm \
-  -p no:cacheprovider -s tests/test_vllm_scheduler.py || rc=$?
-if [ "$rc" = 124 ]; then
-  banner "vLLM scheduler lockstep FAILED: timed out after 480 s"
-  exit 1
-fi
-if [ "$rc" = 5 ]; then
-  banner "vLLM scheduler lockstep FAILED: no vLLM test was collected"
-  exit 1
-fi
-if [ "$rc" != 0 ]; then
-  banner "vLLM scheduler lockstep FAILED (pytest exit $rc)"
-  exit "$rc"
-fi
-banner "vLLM scheduler lockstep passed"
+run_tests "vLLM scheduler lockstep" 480 .vllm-venv/bin/python tests/test_vllm_scheduler.py \
+  KVSPEC_REQUIRE_VLLM=1 KVSPEC_VLLM_SCHEDULER_TRACES=250
 
 # vLLM 0.33.0 with kvspec's patches (patches/vllm-0.33.0/): each built as its own venv by
 # scripts/setup-vllm-patched.sh (hard links to .vllm-venv, a few seconds), then
@@ -87,32 +81,11 @@ for patch in pr47235 repair; do
     banner "vLLM + $patch stage FAILED: building the patched venv exited $rc"
     exit "$rc"
   fi
-  rc=0
-  KVSPEC_REQUIRE_VLLM_PATCH=$patch timeout 300 ".vllm-$patch-venv/bin/python" -m pytest -q -rs -m vllm \
-    -p no:cacheprovider tests/test_vllm_patched.py || rc=$?
-  if [ "$rc" = 124 ]; then
-    banner "vLLM + $patch lockstep FAILED: timed out after 300 s"
-    exit 1
-  fi
-  if [ "$rc" = 5 ]; then
-    banner "vLLM + $patch lockstep FAILED: no vLLM test was collected"
-    exit 1
-  fi
-  if [ "$rc" != 0 ]; then
-    banner "vLLM + $patch lockstep FAILED (pytest exit $rc)"
-    exit "$rc"
-  fi
-  banner "vLLM + $patch lockstep passed"
+  run_tests "vLLM + $patch lockstep" 300 ".vllm-$patch-venv/bin/python" tests/test_vllm_patched.py \
+    "KVSPEC_REQUIRE_VLLM_PATCH=$patch"
 done
 
 # The shrunk findings of `kvspec history` on vLLM 0.33.0 (tests/traces/vllm_history/0.33.0/)
 # replay to the same finding: tests/test_vllm_history.py, bounded by `timeout 120`. The other
 # releases need venvs of their own: scripts/vllm-history.sh, outside CI.
-rc=0
-KVSPEC_REQUIRE_VLLM=1 timeout 120 .vllm-venv/bin/python -m pytest -q -rs -m vllm -p no:cacheprovider \
-  tests/test_vllm_history.py || rc=$?
-if [ "$rc" != 0 ]; then
-  banner "vLLM history replay FAILED (pytest exit $rc)"
-  exit 1
-fi
-banner "vLLM history replay passed"
+run_tests "vLLM history replay" 120 .vllm-venv/bin/python tests/test_vllm_history.py KVSPEC_REQUIRE_VLLM=1
