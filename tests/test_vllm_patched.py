@@ -316,17 +316,13 @@ def _hazard_tests(policy: str = "signal-rescan") -> list[tuple[str, dict[str, An
     return cases
 
 
-@pytest.mark.vllm
-@PR
-@pytest.mark.parametrize(("name", "kw"), _hazard_tests(), ids=lambda v: v if isinstance(v, str) else "")
-def test_hazard_scenarios_on_vllm_pr47235(name: str, kw: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each hazard test of ``tests/test_hazards.py`` on ``signal-rescan`` runs with every model
-    scheduler it builds paired with a ``vllm+pr47235`` target (``Tandem``): its own assertions
-    hold and vLLM agrees with the model after every call, so the outcomes are the model's."""
+def _hazard_in_tandem(target: str, name: str, kw: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run hazard test ``name`` of ``tests/test_hazards.py`` with every model scheduler it builds
+    paired with a ``target`` (``Tandem``), so vLLM must agree with the model after every call."""
     import scenario_kit
     import test_hazards
 
-    real = get_factory("vllm+pr47235")
+    real = get_factory(target)
     built: list[Tandem] = []
 
     def paired(config: OffloadConfig) -> Any:
@@ -338,6 +334,16 @@ def test_hazard_scenarios_on_vllm_pr47235(name: str, kw: dict[str, Any], monkeyp
     monkeypatch.setattr(scenario_kit, "make_scheduler", paired)
     getattr(test_hazards, name)(**kw)
     assert built, f"{name} built no scheduler"
+
+
+@pytest.mark.vllm
+@PR
+@pytest.mark.parametrize(("name", "kw"), _hazard_tests(), ids=lambda v: v if isinstance(v, str) else "")
+def test_hazard_scenarios_on_vllm_pr47235(name: str, kw: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each hazard test of ``tests/test_hazards.py`` on ``signal-rescan`` runs with every model
+    scheduler it builds paired with a ``vllm+pr47235`` target (``Tandem``): its own assertions
+    hold and vLLM agrees with the model after every call, so the outcomes are the model's."""
+    _hazard_in_tandem("vllm+pr47235", name, kw, monkeypatch)
 
 
 @pytest.mark.vllm
@@ -348,21 +354,7 @@ def test_hazard_scenarios_on_vllm_repair(name: str, kw: dict[str, Any], monkeypa
     it builds paired with a ``vllm+repair`` target (``Tandem``): its own assertions (the repair
     outcomes: full hits after T2, T3, H1, H3; no thrash, H6; new blocks first, H8) hold and vLLM
     agrees with the model after every call."""
-    import scenario_kit
-    import test_hazards
-
-    real = get_factory("vllm+repair")
-    built: list[Tandem] = []
-
-    def paired(config: OffloadConfig) -> Any:
-        t = Tandem(make_scheduler(config), real(config))
-        built.append(t)
-        return t
-
-    monkeypatch.setattr(test_hazards, "make_scheduler", paired)
-    monkeypatch.setattr(scenario_kit, "make_scheduler", paired)
-    getattr(test_hazards, name)(**kw)
-    assert built, f"{name} built no scheduler"
+    _hazard_in_tandem("vllm+repair", name, kw, monkeypatch)
 
 
 # -- the fuzzer's findings replay on the patched vLLM ----------------------------------------------------

@@ -59,7 +59,19 @@ def _check_patch(target: str, config: OffloadConfig) -> None:
         )
 
 
-class VllmPr47235Target(VllmTarget):
+class _PatchedTarget(VllmTarget):
+    """A patched vLLM: the baseline adapter's snapshot with the patch's policy state."""
+
+    def policy_state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = super().snapshot()
+        snap["scheduler"]["policy_state"] = self.policy_state()
+        return snap
+
+
+class VllmPr47235Target(_PatchedTarget):
     """vLLM 0.33.0 + PR #47235: the ``signal-rescan`` policy in vLLM's code."""
 
     policy_name = "signal-rescan"
@@ -67,11 +79,6 @@ class VllmPr47235Target(VllmTarget):
     def policy_state(self) -> dict[str, Any]:
         """The CPU pool's eviction flag, as ``SignalRescanPolicy.snapshot`` reports it."""
         return {"eviction_flag": bool(self.manager.cpu_block_pool._had_recent_eviction)}
-
-    def snapshot(self) -> dict[str, Any]:
-        snap = super().snapshot()
-        snap["scheduler"]["policy_state"] = self.policy_state()
-        return snap
 
 
 def make_vllm_pr47235_target(config: OffloadConfig) -> VllmPr47235Target:
@@ -82,7 +89,7 @@ def make_vllm_pr47235_target(config: OffloadConfig) -> VllmPr47235Target:
     return VllmPr47235Target(config, v)
 
 
-class VllmRepairTarget(VllmTarget):
+class VllmRepairTarget(_PatchedTarget):
     """vLLM 0.33.0 + ``patches/vllm-0.33.0/repair.diff``: the ``repair`` policy in vLLM's code."""
 
     policy_name = "repair"
@@ -100,11 +107,6 @@ class VllmRepairTarget(VllmTarget):
             "self_evictions": stats.self_evictions,
             "useful_evicted_by_restores": stats.useful_evicted_by_restores,
         }
-
-    def snapshot(self) -> dict[str, Any]:
-        snap = super().snapshot()
-        snap["scheduler"]["policy_state"] = self.policy_state()
-        return snap
 
 
 def make_vllm_repair_target(config: OffloadConfig) -> VllmRepairTarget:
