@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_vllm_conformance import CONFIGS as BASELINE_CONFIGS
 
 from kvspec.adapters.targets import get_factory
-from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import ConfigError, KVSpecError
 from kvspec.drivers import trace as trace_io
 from kvspec.drivers.harness import Run, first_difference, generate, replay
@@ -72,22 +73,10 @@ OPS_PER_TRACE = 300
 TRACE_DIR = Path(__file__).parent / "traces" / "vllm_patched"
 
 
-def _cfg(**kw: Any) -> OffloadConfig:
-    return OffloadConfig(policy="signal-rescan", **kw)
-
-
-# The eager configurations of the baseline conformance test (lazy offload has no re-store policy).
-CONFIGS: dict[str, OffloadConfig] = {
-    "full-ws1": _cfg(block_size=4, num_gpu_blocks=16, num_cpu_blocks=5),
-    "full-ws1-bigcpu": _cfg(block_size=4, num_gpu_blocks=14, num_cpu_blocks=16),
-    "full-ws2": _cfg(block_size=4, num_gpu_blocks=16, num_cpu_blocks=6, world_size=2),
-    "two-full-ws2": _cfg(block_size=2, num_gpu_blocks=30, num_cpu_blocks=9, groups=(KVGroup(), KVGroup()),
-                         world_size=2),
-    "full+sliding-ws1": _cfg(block_size=4, num_gpu_blocks=24, num_cpu_blocks=7,
-                             groups=(KVGroup(), KVGroup("sliding", 6))),
-    "sliding+full+sliding-ws2": _cfg(block_size=3, num_gpu_blocks=40, num_cpu_blocks=12, world_size=2,
-                                     groups=(KVGroup("sliding", 2), KVGroup(), KVGroup("sliding", 13))),
-}
+# The eager configurations of the baseline conformance test (lazy offload has no re-store
+# policy), with the policy of the patch under test.
+CONFIGS: dict[str, OffloadConfig] = {name: replace(config, policy="signal-rescan")
+                                     for name, config in BASELINE_CONFIGS.items() if not config.lazy_offload}
 
 
 def policy_trace(config: OffloadConfig, seed: int, n_ops: int = OPS_PER_TRACE) -> list[dict[str, Any]]:
@@ -124,38 +113,34 @@ def _write(config: OffloadConfig, seed: int, ops: list[dict[str, Any]], at: int,
 # -- lockstep on random traces -------------------------------------------------------------------
 
 
+def _lockstep_on_random_traces(name: str, policy: str, target: str, tmp_path: Path) -> None:
+    """``TRACES`` random traces of configuration ``name`` under ``policy``: the model and ``target``
+    agree after every operation; a disagreement is written as a trace and fails the test."""
+    config = replace(CONFIGS[name], policy=policy)
+    ops_done = 0
+    for seed in range(TRACES):
+        ops = policy_trace(config, seed)
+        d = lockstep(config, ops, target)
+        if d is not None:
+            path = _write(config, seed, ops, d[0], d[1], tmp_path, target)
+            pytest.fail(f"{name} seed {seed}: operation {d[0]}: {d[1]}\ntrace: {path}")
+        ops_done += len(ops)
+    print(f"\n[{target} lockstep] {name}: {TRACES} traces, {ops_done} operations in agreement")
+    assert ops_done == TRACES * OPS_PER_TRACE
+
+
 @pytest.mark.vllm
 @PR
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_signal_rescan_model_agrees_with_vllm_pr47235(name: str, tmp_path: Path) -> None:
-    config = CONFIGS[name]
-    ops_done = 0
-    for seed in range(TRACES):
-        ops = policy_trace(config, seed)
-        d = lockstep(config, ops, "vllm+pr47235")
-        if d is not None:
-            path = _write(config, seed, ops, d[0], d[1], tmp_path, "vllm+pr47235")
-            pytest.fail(f"{name} seed {seed}: operation {d[0]}: {d[1]}\ntrace: {path}")
-        ops_done += len(ops)
-    print(f"\n[vllm+pr47235 lockstep] {name}: {TRACES} traces, {ops_done} operations in agreement")
-    assert ops_done == TRACES * OPS_PER_TRACE
+    _lockstep_on_random_traces(name, "signal-rescan", "vllm+pr47235", tmp_path)
 
 
 @pytest.mark.vllm
 @REPAIR
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_repair_model_agrees_with_vllm_repair(name: str, tmp_path: Path) -> None:
-    config = replace(CONFIGS[name], policy="repair")
-    ops_done = 0
-    for seed in range(TRACES):
-        ops = policy_trace(config, seed)
-        d = lockstep(config, ops, "vllm+repair")
-        if d is not None:
-            path = _write(config, seed, ops, d[0], d[1], tmp_path, "vllm+repair")
-            pytest.fail(f"{name} seed {seed}: operation {d[0]}: {d[1]}\ntrace: {path}")
-        ops_done += len(ops)
-    print(f"\n[vllm+repair lockstep] {name}: {TRACES} traces, {ops_done} operations in agreement")
-    assert ops_done == TRACES * OPS_PER_TRACE
+    _lockstep_on_random_traces(name, "repair", "vllm+repair", tmp_path)
 
 
 @pytest.mark.vllm
