@@ -56,7 +56,8 @@ Rules, each stated once:
   with the space left (R6, R7); what still finds no room is dropped with the
   request, which owns nothing afterwards.
 
-Where the rules live: R3-R5 at one position of the scan are ``rules.repair_step``; the
+Where the rules live: R3-R5 at one position of the scan are ``rules.repair_step``, the
+scan of a group ``rules.repair_scan``; the
 store classes by key are ``rules.classify_store_candidate``; confirmed blocks and the
 window floor are ``rules.ready_blocks`` and ``rules.window_floor``. R7's victim order is
 not a pure function of lists: it classifies CPU entries lazily, one at a time as it
@@ -83,9 +84,8 @@ from kvspec.model.rules import (
     PASS,
     PIN,
     SELECT,
-    STOP,
     classify_store_candidate,
-    repair_step,
+    repair_scan,
     window_floor,
 )
 from kvspec.model.scheduler import Evicted, OffloadScheduler, StoreBatch, StoreState, Transfer
@@ -257,27 +257,28 @@ class RepairPolicy(BaselinePolicy):
         return Selection(selected, cursors)
 
     def _scan_group(self, st: StoreState, g: int, ids: list[int], selected: list[int]) -> int:
-        """One group's scan: apply ``rules.repair_step`` at each position with the CPU free count
-        read now (pins lower it); append what is selected; return the cursor advance. Keys
-        carry their group, so the dedup of R4 within the request is per group. O(ready - cursor)."""
+        """One group's scan: what each position of ``[cursor, ready)`` is (owned block, key class,
+        whether its cached CPU entry is free), decided by ``rules.repair_scan`` with the CPU free
+        count now (its pins lower it); then the decisions applied: owners indexed, entries pinned,
+        selections appended. Keys carry their group, so the dedup of R4 within the request is per
+        group. Returns the cursor advance. O(ready - cursor)."""
         cpu = self.sched.cpu_pool
         rid = st.request.request_id
-        keys: set[BlockKey] = set()
-        advance = 0
-        for p in range(st.num_stored_blocks[g], self.sched.ready_blocks(st, ids)):
-            self.visits_last_plan += 1
-            b = self.owned_block(st, ids, g, p)
-            key = None if b is None else self.sched.gpu_pool.block_hash[b]
-            kind = NOT_OWNED if b is None else self.classify_key(b)
-            cb = cpu.get_one_block(key) if kind == ALREADY_CACHED and key is not None else None
-            step = repair_step(kind, key in keys, cb is not None and cb in cpu.free_queue, len(selected),
-                               cpu.get_num_free_blocks())
-            if step == STOP:
-                break
-            advance += 1
+        positions = range(st.num_stored_blocks[g], self.sched.ready_blocks(st, ids))
+        blocks = [self.owned_block(st, ids, g, p) for p in positions]
+        keys = [None if b is None else self.sched.gpu_pool.block_hash[b] for b in blocks]
+        kinds = [NOT_OWNED if b is None else self.classify_key(b) for b in blocks]
+        cached = [cpu.get_one_block(key) if kind == ALREADY_CACHED and key is not None else None
+                  for kind, key in zip(kinds, keys, strict=True)]
+        numbered: dict[BlockKey | None, int] = {}
+        scan = repair_scan(kinds, [numbered.setdefault(key, len(numbered)) for key in keys],
+                           [cb is not None and cb in cpu.free_queue for cb in cached], len(selected),
+                           cpu.get_num_free_blocks())
+        self.visits_last_plan += len(scan.steps) + scan.stopped
+        for p, step, b, key, cb in zip(positions, scan.steps, blocks, keys, cached, strict=False):
             if step == PASS:
                 continue
-            assert b is not None and key is not None, "repair_step passes every position not owned or not hashed"
+            assert b is not None and key is not None, "repair_scan passes every position not owned or not hashed"
             self._register_owner(rid, g, p, key)
             if step == PIN:
                 assert cb is not None, "ALREADY_CACHED: the CPU pool lists the key"
@@ -285,8 +286,7 @@ class RepairPolicy(BaselinePolicy):
                 self.protect_cached(cb)
             elif step == SELECT:
                 selected.append(b)
-                keys.add(key)
-        return advance
+        return len(scan.steps)
 
     def protect_cached(self, cb: int) -> None:
         """R5: pin a CPU entry judged already cached until the step ends. O(1)."""

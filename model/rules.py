@@ -13,7 +13,8 @@ rule of this module.
 * ``scan_group``: the baseline's positional scan of one group from its cursor (vLLM 0.33.0).
 * ``rescan_end``, ``rescan_group``: PR #47235's Phase 1a rescan below the cursor and
   Phase 1b scan above it, with the options of ``SignalRescanOptions``.
-* ``repair_step``: the repair policy's decision at one position of its scan (R3-R5).
+* ``repair_step``: the repair policy's decision at one position of its scan (R3-R5), and
+  ``repair_scan``: its scan of one group, position after position.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import NamedTuple
 NULL, NOT_HASHED, IN_FLIGHT = "null", "not_hashed", "in_flight"
 ALREADY_CACHED, READY = "already_cached", "ready"
 NOT_OWNED = "not_owned"
+STORABLE = (IN_FLIGHT, ALREADY_CACHED, READY)  # the classes a repair scan does not simply pass
 
 # What the repair scan does at one position (``repair_step``).
 PASS, STOP, OWN, PIN, SELECT = "pass", "stop", "own", "pin", "select"
@@ -148,6 +150,7 @@ def rescan_group(stored: list[bool], new: list[bool], taken: int, free: int, oos
     post: 0 <= __return__.advance <= len(new)
     post: __return__.picked == [k for k in range(__return__.advance) if new[k]]
     post: __return__.advance == len(new) or free <= taken + len(__return__.restored) + len(__return__.picked)
+    post: __return__.advance == len(new) or new[__return__.advance] or oos_stops_scan
     post: __return__.advance == 0 or not oos_stops_scan or sum(stored) <= max(0, free - taken)
     post: __return__.visits <= len(stored) + len(new)
     """
@@ -188,3 +191,66 @@ def repair_step(kind: str, duplicate: bool, entry_free: bool, taken: int, free: 
     if kind in (IN_FLIGHT, READY):
         return OWN
     return PASS
+
+
+class RepairScan(NamedTuple):
+    """One group's repair scan: the decision at each position passed (offsets from the cursor;
+    never STOP), and whether it stopped short (at offset ``len(steps)``)."""
+
+    steps: list[str]
+    stopped: bool
+
+
+def repair_scan(kinds: list[str], keys: list[int], entry_free: list[bool], taken: int, free: int) -> RepairScan:
+    """The repair scan of one group from its cursor: ``repair_step`` at each position, with
+    ``kinds[k]``, ``keys[k]`` and ``entry_free[k]`` what the k-th position is, its key (read only
+    where the request owns it) and whether its cached CPU entry is free. A key selected earlier
+    in the group is a duplicate; the selection count starts at ``taken``; a PIN of a free entry
+    takes it out of the free queue, so the free count drops by one. STOP ends the scan there.
+    O(len(kinds)).
+
+    pre: len(kinds) == len(keys) == len(entry_free)
+    pre: all(k in (NOT_OWNED, NOT_HASHED, IN_FLIGHT, ALREADY_CACHED, READY) for k in kinds)
+    pre: taken >= 0
+    post: len(__return__.steps) <= len(kinds)
+    post: __return__.stopped == (len(__return__.steps) < len(kinds))
+    post: STOP not in __return__.steps
+    post: all((s == PASS) == (kinds[k] not in STORABLE) for k, s in enumerate(__return__.steps))
+    post: _distinct_selections(keys, __return__.steps)
+    post: all(s == SELECT for k, s in enumerate(__return__.steps) if kinds[k] == READY and keys[k] not in keys[:k])
+    post: taken + __return__.steps.count(SELECT) + _free_pins(__return__.steps, entry_free) <= max(free, taken)
+    post: not __return__.stopped or _stop_for_room(kinds, entry_free, __return__.steps, taken, free)
+    """
+    steps: list[str] = []
+    selected: set[int] = set()
+    for kind, key, free_entry in zip(kinds, keys, entry_free, strict=True):
+        step = repair_step(kind, key in selected, free_entry, taken + len(selected), free)
+        if step == STOP:
+            return RepairScan(steps, True)
+        steps.append(step)
+        if step == SELECT:
+            selected.add(key)
+        elif step == PIN and free_entry:
+            free -= 1
+    return RepairScan(steps, False)
+
+
+def _distinct_selections(keys: list[int], steps: list[str]) -> bool:
+    """``repair_scan``'s contract: no key is selected twice."""
+    picked = [keys[k] for k, s in enumerate(steps) if s == SELECT]
+    return len(set(picked)) == len(picked)
+
+
+def _free_pins(steps: list[str], entry_free: list[bool]) -> int:
+    """``repair_scan``'s contract: the pins that took a free entry out of the free queue."""
+    return sum(1 for k, s in enumerate(steps) if s == PIN and entry_free[k])
+
+
+def _stop_for_room(kinds: list[str], entry_free: list[bool], steps: list[str], taken: int, free: int) -> bool:
+    """``repair_scan``'s contract: the position it stopped at is READY with the selection at the
+    free count, or already cached with a free entry whose pin would leave less room than the
+    selection (the free count lowered, in both cases, by the scan's earlier pins of free entries)."""
+    at, chosen, pinned = len(steps), taken + steps.count(SELECT), _free_pins(steps, entry_free)
+    if kinds[at] == READY:
+        return chosen >= free - pinned
+    return kinds[at] == ALREADY_CACHED and entry_free[at] and free - pinned - 1 < chosen

@@ -61,14 +61,15 @@ def queue_after(ids: list[int], k: int) -> list[int]:
 
 
 class _Pool:
-    """A prefix cache holding one block per cached hash (block id = hash + 1, never null)."""
+    """A prefix cache keyed by integer hashes (the hit search is generic in its key type: no
+    string conversion for the solver to reason through), one block per cached hash (block id =
+    hash + 1, never null)."""
 
     def __init__(self, cached: list[int]) -> None:
         self.cached = cached
 
-    def get_cached_block(self, block_hash: str, group_ids: list[int]) -> list[int] | None:
-        h = int(block_hash)
-        return [h + 1 for _ in group_ids] if h in self.cached else None
+    def get_cached_block(self, block_hash: int, group_ids: list[int]) -> list[int] | None:
+        return [block_hash + 1 for _ in group_ids] if block_hash in self.cached else None
 
 
 def full_hit(cached: list[int], hashes: list[int], max_blocks: int) -> int:
@@ -81,20 +82,38 @@ def full_hit(cached: list[int], hashes: list[int], max_blocks: int) -> int:
     post: all(h in cached for h in hashes[:__return__])
     post: __return__ == min(max_blocks, len(hashes)) or hashes[__return__] not in cached
     """
-    got = full_attention_hit(_Pool(cached), [str(h) for h in hashes], max_blocks, [0])
+    got = full_attention_hit(_Pool(cached), hashes, max_blocks, [0])
     return len(got[0])
 
 
+def _need(window: int) -> int:
+    """Cached blocks a sliding-window hit needs at block size 1 (at least one)."""
+    return max(window - 1, 1)
+
+
+def _later_run(cached: list[int], hashes: list[int], start: int, cap: int, need: int) -> bool:
+    """Some run of ``need`` cached hashes ends at a position in ``[start, cap]``."""
+    return any(all(h in cached for h in hashes[e - need:e]) for e in range(max(start, need), cap + 1))
+
+
+def _extends(cached: list[int], hashes: list[int], n: int, max_blocks: int) -> bool:
+    """A run of ``n`` blocks could be one longer within the cap: position ``n`` is cached."""
+    return n < min(max_blocks, len(hashes)) and hashes[n] in cached
+
+
 def window_hit(cached: list[int], hashes: list[int], max_blocks: int, window: int) -> list[int]:
-    """Sliding window: the hit ends with a run of cached blocks (nulls before it), each
-    non-null entry is the cached block of its position, and the hit never exceeds the cap.
+    """Sliding window (block size 1, so a hit needs ``_need(window)`` consecutive cached blocks):
+    the hit ends at the end of the *rightmost* such run within the cap, with null placeholders
+    before the run; with no such run, it is the run of cached blocks from index 0.
 
     pre: all(h >= 0 for h in hashes)
     pre: max_blocks >= 0
     pre: 1 <= window <= 4
     post: len(__return__) <= min(max_blocks, len(hashes))
     post: all(b == 0 or (hashes[i] in cached and b == hashes[i] + 1) for i, b in enumerate(__return__))
-    post: len(__return__) == 0 or __return__[-1] != 0
+    post: all((b != 0) == (i >= len(__return__) - _need(window)) for i, b in enumerate(__return__))
+    post: not _later_run(cached, hashes, len(__return__) + 1, min(max_blocks, len(hashes)), _need(window))
+    post: len(__return__) >= _need(window) or not _extends(cached, hashes, len(__return__), max_blocks)
     """
-    got = sliding_window_hit(_Pool(cached), [str(h) for h in hashes], max_blocks, [0], window, 1)
+    got = sliding_window_hit(_Pool(cached), hashes, max_blocks, [0], window, 1)
     return got[0]

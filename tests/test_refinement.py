@@ -282,3 +282,21 @@ def test_the_run_loop_reports_refinement_as_r1(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(cls, method, make(getattr(cls, method)))
     found = first_finding(policy)
     assert found is not None and found.violation is not None and found.violation.id == REFINEMENT_ID, found
+
+
+def test_fuzz_refine_finds_shrinks_and_replays(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """``kvspec fuzz --refine`` on a model whose evictions never set the signal-rescan flag (the
+    policy's claimed invariants do not see it): the finding is R1, shrunk, and its saved trace
+    replays to R1 with ``kvspec replay`` (refinement switched on by the recorded finding)."""
+    import json
+
+    from kvspec.cli import main
+
+    policy, cls, method, make = MUTATIONS["flag-never-set"]
+    monkeypatch.setattr(cls, method, make(getattr(cls, method)))
+    out = tmp_path / "found"
+    assert main(["fuzz", "--policy", policy, "--budget", "60", "--refine", "--out", str(out), "--json"]) == 1
+    trace = next(out.glob("*shrunk*.jsonl"))
+    header = json.loads(trace.read_text().splitlines()[0])
+    assert header["finding"]["invariant"] == REFINEMENT_ID, header
+    assert main(["replay", str(trace)]) == 1

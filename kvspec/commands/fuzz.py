@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle", default=None, metavar="claims|all|ID,ID",
                    help="invariants that judge the run (default: claims, what the policy guarantees; "
                         "for bug:<name>, the catalogue's oracle of that variant)")
+    p.add_argument("--refine", action="store_true",
+                   help="also check refinement (R1) after every accepted operation: each request's step is one "
+                        "the proofs' transitions (kvspec.specs.transitions) admit; a rejection is a finding")
     p.add_argument("--out", default="fuzz-out", help="directory for finding traces (default fuzz-out)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -77,6 +80,7 @@ class Job:
     oracle: str | None
     out: str
     quiet: bool  # no progress or "finding written" lines (--json, or more than one worker)
+    refine: bool = False  # the refinement check (R1) after every accepted operation
 
 
 @dataclass
@@ -104,7 +108,7 @@ def fuzz_one(job: Job, seed: int) -> WorkerResult:
             print(f"\r{traces} traces, {ops} ops, {secs:.0f}/{job.budget:.0f}s", end="", file=sys.stderr)
 
     done.result = fuzz(factory, job.policy, job.budget, seed, job.oracle, job.target, progress=progress,
-                       bug=bug, on_finding=keep)
+                       bug=bug, on_finding=keep, refine=job.refine)
     return done
 
 
@@ -118,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"bug:{bug} runs under policy {policy!r}, not {args.policy!r}")
     policy = args.policy or policy
     check_writable(args.out)
-    job = Job(args.target, policy, args.budget, args.oracle, str(args.out), args.json or workers > 1)
+    job = Job(args.target, policy, args.budget, args.oracle, str(args.out), args.json or workers > 1, args.refine)
     start = time.monotonic()
     if workers == 1:
         results = [fuzz_one(job, args.seed)]

@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON list of results on stdout")
     parser.add_argument("--quick", action="store_true",
                         help="one KV group only (drop the two-group duplicates)")
+    parser.add_argument("--profile", default="default", choices=("default", "nightly"),
+                        help="default: the obligations of every run (under a minute); nightly: also the "
+                             "bounded checks at larger sizes (N <= 12, two groups N <= 3)")
     parser.add_argument("-k", dest="select", default=None, metavar="TEXT",
                         help="only obligations whose name contains TEXT or whose policy is TEXT "
                              "(no match: exit 2)")
@@ -32,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvspec.specs.obligations import PASS, Obligation, Result, catalogue, run_all
 
-    obs = catalogue(quick=args.quick)
+    obs = catalogue(quick=args.quick, profile=args.profile)
     if args.select is not None:
         if not args.select.strip():
             raise ConfigError("-k needs a non-empty TEXT (a part of an obligation name, or a policy)")

@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--refine", action="store_true",
                    help="also check refinement (R1) after every accepted operation: each request's step is one "
-                        "the proofs' transitions (kvspec.specs.transitions) admit")
+                        "the proofs' transitions (kvspec.specs.transitions) admit (on by itself for a trace whose "
+                        "recorded finding is R1)")
     p.add_argument("--explain", action="store_true",
                    help="narrate every operation: what it did, cursors and holes after it, the finding's rule")
     p.add_argument("--html", default=None, metavar="FILE",
@@ -55,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvspec.specs.refinement import REFINEMENT_ID  # z3, loaded only when replaying
+
     oracles.check_spec(args.oracle)
     with trace_io.open_trace(args.trace) as tr:
         name = args.target or header_target(tr.target)
@@ -67,11 +70,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             orc = claimed.resolve(args.oracle, tr.config, bug)
         recorded = tr.finding
+        refine = args.refine or (recorded is not None and recorded.get("invariant") == REFINEMENT_ID)
         if args.explain or args.html is not None:
             narration = _narrate(args, tr, name, orc, factory, reference)
             out = narration.outcome
         else:
-            narration, out = None, run_ops(tr.config, tr.ops(), factory, orc.ids, reference, refine=args.refine)
+            narration, out = None, run_ops(tr.config, tr.ops(), factory, orc.ids, reference, refine=refine)
         if out.input_error:
             raise TraceError(tr.line, f"operation {out.op_index}: {out.expectation}")
     same = _matches(recorded, out)

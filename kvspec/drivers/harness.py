@@ -402,7 +402,8 @@ def replay(trace: Trace, factory: TargetFactory, oracle: Iterable[str] | None = 
 
 def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, n_ops: int,
              oracle: Iterable[str], rare: RarePaths | None = None, *, mix: OpMix = FUZZ_MIX,
-             strict: bool = False, incremental: bool = True) -> tuple[list[dict[str, Any]], Outcome]:
+             strict: bool = False, incremental: bool = True, refine: bool = False
+             ) -> tuple[list[dict[str, Any]], Outcome]:
     """Draw up to ``n_ops`` state-aware operations of ``mix`` (``OpGenerator`` on ``rng``) on a
     fresh target; stop at the first finding (the finding's operation is the list's last). The
     invalid ones (``mix.invalid_rate``) carry ``"expect": "error"``.
@@ -415,9 +416,10 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
     ``incremental`` (the default): the oracle checks what each operation touched, the whole
     oracle at the end of the trace; should that final check ever find what the incremental one
     missed, the operations are replayed with the full oracle after each, and that replay's
-    finding is the one returned (verdicts are always the full check's)."""
+    finding is the one returned (verdicts are always the full check's). ``refine`` adds the
+    refinement check (R1) after every accepted operation."""
     ids = tuple(oracle)
-    run = start_run(config, factory, ids, None, rare, incremental=incremental)
+    run = start_run(config, factory, ids, None, rare, refine, incremental)
     if isinstance(run, Outcome):
         return [], run
     gen = OpGenerator(config, RandomChoices(rng), mix)
@@ -432,15 +434,16 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
             found.op_index = len(ops) - 1
             return ops, found
     if incremental and run.index and run.final_check():
-        return _replayed_in_full(config, factory, ids, ops, strict)
+        return _replayed_in_full(config, factory, ids, ops, strict, refine)
     return ops, Outcome(len(ops), rejected=run.rejected)
 
 
 def _replayed_in_full(config: OffloadConfig, factory: TargetFactory, ids: tuple[str, ...],
-                      ops: list[dict[str, Any]], strict: bool) -> tuple[list[dict[str, Any]], Outcome]:
+                      ops: list[dict[str, Any]], strict: bool, refine: bool = False
+                      ) -> tuple[list[dict[str, Any]], Outcome]:
     """``ops`` replayed with the full oracle after every operation: the finding, and the operations
     up to it. (Generated operations that were rejected are not in ``ops``; strict ones are.)"""
-    run = start_run(config, factory, ids)
+    run = start_run(config, factory, ids, refine=refine)
     if isinstance(run, Outcome):
         return [], run
     for n, op in enumerate(ops):
@@ -457,7 +460,7 @@ def _replayed_in_full(config: OffloadConfig, factory: TargetFactory, ids: tuple[
 
 
 def shrink(config: OffloadConfig, ops: list[dict[str, Any]], factory: TargetFactory, oracle: Iterable[str],
-           finding: Outcome, deadline: float) -> tuple[list[dict[str, Any]], Outcome]:
+           finding: Outcome, deadline: float, refine: bool = False) -> tuple[list[dict[str, Any]], Outcome]:
     """Delta debugging: drop chunks of operations while the same finding (same kind, same invariant
     or same crash) remains. Stops at ``deadline`` or on Ctrl-C with the smallest trace so far
     (every candidate kept was replayed to the finding)."""
@@ -469,7 +472,7 @@ def shrink(config: OffloadConfig, ops: list[dict[str, Any]], factory: TargetFact
             i, progress = 0, False
             while i < len(best) and time.monotonic() < deadline:
                 cand = best[:i] + best[i + chunk:]
-                out = run_ops(config, cand, factory, ids)
+                out = run_ops(config, cand, factory, ids, refine=refine)
                 if out.failed and out.signature() == finding.signature():
                     best, best_out, progress = cand[: (out.op_index or 0) + 1], out, True
                 else:
@@ -521,11 +524,12 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
          target_name: str = "model", ops_per_trace: int = 60, lazy: bool = False,
          progress: Callable[[int, int, float], None] | None = None,
          config_for: Callable[[random.Random], OffloadConfig] | None = None,
-         bug: str | None = None, on_finding: FindingSink | None = None) -> FuzzResult:
+         bug: str | None = None, on_finding: FindingSink | None = None, refine: bool = False) -> FuzzResult:
     """Random traces until a finding or ``budget`` seconds. ``oracle`` is an oracle spec
     (``kvspec.oracle.resolve``: None/``claims``, ``all`` or ids), resolved for each random
     configuration; ``bug`` names the known-bug variant under test. A finding is handed to
-    ``on_finding`` unshrunk, then shrunk; Ctrl-C returns what was found so far."""
+    ``on_finding`` unshrunk, then shrunk; Ctrl-C returns what was found so far. ``refine`` adds
+    the refinement check (R1, ``kvspec.specs.refinement``) after every accepted operation."""
     rng = random.Random(seed)
     start = time.monotonic()
     rare = RarePaths()
@@ -535,7 +539,7 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
             cfg = config_for(rng) if config_for else random_config(RandomChoices(rng), policy, lazy)
             orc = claimed.resolve(oracle, cfg, bug)
             res.oracle = orc.name
-            trace_ops, out = generate(cfg, factory, rng, ops_per_trace, orc.ids, rare)
+            trace_ops, out = generate(cfg, factory, rng, ops_per_trace, orc.ids, rare, refine=refine)
             res.traces += 1
             res.ops += len(trace_ops)
             res.rejected += out.rejected
@@ -549,7 +553,8 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
             if on_finding is not None:
                 on_finding(res.unshrunk, "unshrunk")
             try:
-                small, small_out = shrink(cfg, trace_ops, factory, orc.ids, out, time.monotonic() + max(5.0, budget))
+                small, small_out = shrink(cfg, trace_ops, factory, orc.ids, out, time.monotonic() + max(5.0, budget),
+                                          refine)
             except ShrinkInterrupted as stop:
                 res.interrupted = True
                 small, small_out = stop.ops, stop.outcome
