@@ -58,7 +58,8 @@ LOOP_FREE_CONDITIONS = 19  # those of ready_blocks (3), window_floor (3), classi
 
 def _run(args: list[str], cwd: Path | None = None, seconds: float = PER_CONDITION) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CROSSHAIR, f"--per_condition_timeout={seconds}", *args],
-                          capture_output=True, text=True, cwd=cwd, timeout=max(300.0, 3 * CONDITIONS * seconds))
+                          capture_output=True, text=True, cwd=cwd,
+                          timeout=max(600.0, 10 * CONDITIONS * seconds))  # a safety net: budgets are CPU time
 
 
 def _no_counterexample(seconds: float) -> None:
