@@ -441,3 +441,21 @@ def test_pr_active_request_blocks_can_be_evicted() -> None:
     assert [s.gpu_pool.ref_cnt[g] for g in ga] == [1, 1, 1]
     assert all(s.gpu_pool.block_hash[g] is not None for g in ga[:2])
     assert s.policy.eviction_flag is True
+
+
+def test_preemption_retires_the_request_keys() -> None:
+    """R1/R7 (b): a preempted request owns nothing any more: its records and owner index go, and
+    its keys still on the CPU become retired victims, oldest first (as at finish). Found as the
+    only survivor of the mutation table (``preempted-keep-records``): records are dropped later
+    anyway, so only the victim order would show it."""
+    e = Engine(make_scheduler(OffloadConfig(num_cpu_blocks=5, policy="repair")))
+    e.op_add("R", family=1, prompt_len=97, max_tokens=8)
+    e.op_step(admit=["R"], chunk=64)
+    e.op_step(chunk=64)  # R's first 4 blocks stored
+    e.op_report(0)
+    policy = e.target.policy
+    keys = [(h, 0) for h in e.requests["R"].block_hashes[:4]]
+    assert policy.owned_keys["R"] == keys and not policy.retired
+    e.op_step(preempt=["R"])
+    assert "R" not in policy.owned_keys
+    assert list(policy.retired) == keys
