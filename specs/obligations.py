@@ -756,7 +756,13 @@ def nightly_obligations() -> list[Obligation]:
     agreement for every N <= ``NIGHTLY_BOUND`` (one group), scan agreement for two groups up
     to ``NIGHTLY_BOUND_G2`` (baseline and repair). Existence at N <= 12 is not among them: the
     repair phase's check exhausts the rlimit there."""
-    M, M2 = NIGHTLY_BOUND, NIGHTLY_BOUND_G2
+    return _bounded_per_policy(NIGHTLY_BOUND, NIGHTLY_BOUND_G2) + _bounded_repair(NIGHTLY_BOUND, 1, "")
+
+
+def _bounded_per_policy(M: int, M2: int | None) -> list[Obligation]:
+    """Cursor bounds, monotonicity and scan agreement for every N <= M (one group), and two-group
+    scan agreement up to ``M2`` (None: not asked) for baseline and repair (signal-rescan's is
+    unknown within the rlimit even at N <= 2: left to the agreement tests, PROOFS.md)."""
     obs: list[Obligation] = []
     for pol in ("baseline", "signal-rescan", "repair"):
         obs.append(Obligation(f"bounded:cursor-bounds[N<={M}]", pol, "bounded",
@@ -765,14 +771,18 @@ def nightly_obligations() -> list[Obligation]:
                               lambda pol=pol: monotone(Unrolled(1, M), pol)))
         obs.append(Obligation(f"bounded:scans-agree[N<={M}]", pol, "bounded",
                               lambda pol=pol: scans_agree(pol, 1, M)))
-        if pol != "signal-rescan":  # two groups: unknown within the rlimit even at N <= 2 (PROOFS.md)
+        if M2 is not None and pol != "signal-rescan":
             obs.append(Obligation(f"bounded:scans-agree[N<={M2},G=2]", pol, "bounded",
                                   lambda pol=pol: scans_agree(pol, 2, M2)))
-    obs.append(Obligation(f"bounded:completeness-c2[N<={M}]", "repair", "bounded",
-                          lambda: inductive(Unrolled(1, M), "repair", "c2")))
-    obs.append(Obligation(f"bounded:soundness[N<={M}]", "repair", "bounded",
-                          lambda: soundness(Unrolled(1, M), "repair")))
     return obs
+
+
+def _bounded_repair(M: int, G: int, tag: str) -> list[Obligation]:
+    """Repair's C2 and soundness on the unrolled encoding, every N <= M, ``G`` groups."""
+    return [Obligation(f"bounded:completeness-c2[N<={M}{tag}]", "repair", "bounded",
+                       lambda: inductive(Unrolled(G, M), "repair", "c2")),
+            Obligation(f"bounded:soundness[N<={M}{tag}]", "repair", "bounded",
+                       lambda: soundness(Unrolled(G, M), "repair"))]
 
 
 def _default_catalogue(quick: bool) -> list[Obligation]:
@@ -810,22 +820,9 @@ def _default_catalogue(quick: bool) -> list[Obligation]:
                           lambda: _cex_h3(Quant(1)),
                           "Phase 1a runs out of CPU space; the flag is gone"))
     # bounded cross-checks: a second, quantifier-free encoding with N <= BOUND
-    for pol in ("baseline", "signal-rescan", "repair"):
-        obs.append(Obligation(f"bounded:cursor-bounds[N<={BOUND}]", pol, "bounded",
-                              lambda pol=pol: inductive(Unrolled(1, BOUND), pol, "bounds")))
-        obs.append(Obligation(f"bounded:cursor-monotone[N<={BOUND}]", pol, "bounded",
-                              lambda pol=pol: monotone(Unrolled(1, BOUND), pol)))
-        obs.append(Obligation(f"bounded:scans-agree[N<={BOUND}]", pol, "bounded",
-                              lambda pol=pol: scans_agree(pol, 1)))
-        if not quick and pol != "signal-rescan":  # see PROOFS.md: left to the agreement tests
-            obs.append(Obligation(f"bounded:scans-agree[N<={BOUND_G2},G=2]", pol, "bounded",
-                                  lambda pol=pol: scans_agree(pol, 2, BOUND_G2)))
+    obs += _bounded_per_policy(BOUND, None if quick else BOUND_G2)
     for G in groups:
-        tag = "" if G == 1 else f",G={G}"
-        obs.append(Obligation(f"bounded:completeness-c2[N<={BOUND}{tag}]", "repair", "bounded",
-                              lambda G=G: inductive(Unrolled(G, BOUND), "repair", "c2")))
-        obs.append(Obligation(f"bounded:soundness[N<={BOUND}{tag}]", "repair", "bounded",
-                              lambda G=G: soundness(Unrolled(G, BOUND), "repair")))
+        obs += _bounded_repair(BOUND, G, "" if G == 1 else f",G={G}")
     if not quick:
         for pol in ("baseline", "signal-rescan", "repair"):
             obs.append(Obligation(f"bounded:cursor-bounds[N<={BOUND},G=2]", pol, "bounded",
