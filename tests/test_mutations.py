@@ -42,6 +42,6 @@ def test_scratch_copy_is_mutated_alone(tmp_path: Path) -> None:
 def test_proofs_md_lists_every_mutation_with_its_layer() -> None:
     text = (REPO / "specs" / "PROOFS.md").read_text()
     for m in MUTATIONS:
-        row = next((ln for ln in text.splitlines() if ln.startswith(f"| `{m.name}` |")), None)
+        row = next((ln for ln in text.splitlines() if ln.startswith(f"| `{m.name}` | {m.path} |")), None)
         assert row is not None, f"{m.name} missing from PROOFS.md's mutation table"
         assert row.rstrip(" |").endswith(m.caught_by), row
