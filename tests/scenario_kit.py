@@ -53,7 +53,7 @@ def req(rid: str, num_blocks: int, extra: int = 1, family: int | None = None) ->
 
 
 def make(policy: str = "baseline", cpu: int = 5, gpu: int = 16, **kw: object) -> OffloadScheduler:
-    return make_scheduler(OffloadConfig(num_cpu_blocks=cpu, num_gpu_blocks=gpu, policy=policy, **kw))  # type: ignore[arg-type]
+    return make_scheduler(OffloadConfig(num_cpu_blocks=cpu, num_gpu_blocks=gpu, policy=policy, **{"async_scheduling": False, **kw}))  # type: ignore[arg-type]
 
 
 def alloc(s: OffloadScheduler, r: Req, n: int, first_pos: int = 0) -> list[int]:

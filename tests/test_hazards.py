@@ -42,7 +42,7 @@ class Run:
     """An engine run that records every catalogue violation seen after each operation."""
 
     def __init__(self, policy: str, **cfg: Any) -> None:
-        self.e = Engine(make_scheduler(OffloadConfig(policy=policy, **cfg)))
+        self.e = Engine(make_scheduler(OffloadConfig(policy=policy, **{"async_scheduling": False, **cfg})))
         self.seen: set[str] = set()
         self.stores: list[list[int]] = []  # GPU ids stored by each step
 

@@ -295,6 +295,7 @@ class Engine:
         self.processed_step_seq = 0  # non-empty batches processed
         # (fence, blocks in allocation order, those of them at confirmed positions when set aside)
         self.deferred_frees: deque[tuple[int, list[int], set[int]]] = deque()
+        self.async_counts: Counter[str] = Counter()  # how often each async-scheduling rule applied
         self.step_index = 0
         self.last_op: str | None = None
         self.last_result: Any = None
@@ -354,7 +355,7 @@ class Engine:
         when at most one request is eligible; without one, every request is capped by ``chunk``
         and the step by nothing else. Engine core does not step a scheduler that has no request
         (``has_requests``): such a step does nothing and returns empty metadata."""
-        admit, preempt = check_step_args(admit, chunk, preempt, resume, budget, self._status)
+        admit, preempt = check_step_args(admit, chunk, preempt, resume, budget, self.status)
         if not self._has_requests():
             self.converging_step = False
             if self.in_flight:  # engine core still drains the batch queue
@@ -437,12 +438,15 @@ class Engine:
                 continue
             confirming = not stale and r.status == RUNNING and r.num_output_placeholders > 0
             r.append_output_token()
+            if stale:
+                self.async_counts["stale output appended"] += 1
             if not stale and r.num_output_placeholders > 0:
                 r.num_output_placeholders -= 1
             if confirming:
                 self._cache_blocks(r, r.num_computed_tokens - r.num_in_flight_tokens)
             if self.async_scheduling and len(r.output) >= max(1, r.max_tokens):
                 self._finish(r)  # vLLM's check_stop: the length cap
+                self.async_counts["stop at max_tokens"] += 1
                 stopped = True
         return stopped
 
@@ -497,7 +501,7 @@ class Engine:
 
     def op_finish(self, rid: str) -> None:
         """``rid`` stops or is aborted, in whatever phase it is."""
-        if self._status(rid) == FINISHED:
+        if self.status(rid) == FINISHED:
             raise InvalidOperationError(f"{rid} already finished")
         self._finish(self.requests[rid], observe=True)
 
@@ -560,7 +564,7 @@ class Engine:
 
     # -- scheduling pieces -------------------------------------------------------------------
 
-    def _status(self, rid: object) -> str:
+    def status(self, rid: object) -> str:
         """The status of request ``rid``; ``UnknownRequestError`` for an id never added."""
         if isinstance(rid, str) and rid in self.retired:
             return FINISHED
@@ -604,13 +608,17 @@ class Engine:
         ready = (r.num_computed_tokens - r.num_output_placeholders) // self.B
         if blocks:
             self.deferred_frees.append((self.sched_step_seq, blocks, {b for t in r.table for b in t[:ready]}))
+            self.async_counts["deferred free"] += 1
         r.table = [[] for _ in range(self.G)]
 
     def _reaches_max_tokens(self, r: EngineRequest) -> bool:
         """Async scheduling: the placeholders already in flight are sure to reach ``max_tokens``, so
         vLLM schedules no further step for ``r``."""
-        return (r.num_output_placeholders > 0
-                and r.num_computed_tokens + 2 - r.num_output_placeholders >= len(r.prompt) + max(1, r.max_tokens))
+        reaches = (r.num_output_placeholders > 0
+                   and r.num_computed_tokens + 2 - r.num_output_placeholders >= len(r.prompt) + max(1, r.max_tokens))
+        if reaches:
+            self.async_counts["placeholders reach max_tokens"] += 1
+        return reaches
 
     def _skipped(self, g: int, num_computed_tokens: int) -> int:
         """Leading positions of group ``g`` outside the window after ``num_computed_tokens``."""
@@ -703,6 +711,7 @@ class Engine:
             while (new := self._grow(r, r.num_computed_tokens + n)) is None:
                 victim = self.requests[self.running[-1]]
                 if not self._blocks_can_be_freed(victim):
+                    self.async_counts["no preemption of a request in flight"] += 1
                     break  # vLLM: a deferred free would not make room now
                 self._preempt(victim)
                 preempted = True
