@@ -85,6 +85,24 @@ for patch in pr47235 repair; do
     "KVSPEC_REQUIRE_VLLM_PATCH=$patch"
 done
 
+# vLLM's own tests of the offload module (tests/v1/simple_kv_offload/ of the 0.33.0 sdist, fetched
+# once into .vllm-sdist/) and PR #47235's four tests (tests/vllm_own/), in .vllm-venv and the two
+# patched venvs: scripts/vllm-own-tests.sh, every test bounded by pytest-timeout (60 s) and every
+# venv's run by `timeout 600` (about 1.5 min in all on 2 shared cores). It fails when a test that
+# passes on unpatched vLLM does not pass on a patch (other than the known differences listed in
+# patches/vllm-0.33.0/vllm-own-tests-known.tsv) or a PR test fails on a patch; skipped loudly when
+# the registry is unreachable.
+rc=0
+scripts/vllm-own-tests.sh || rc=$?
+if [ "$rc" = 3 ]; then
+  banner "vLLM own tests SKIPPED: registry unreachable (the vLLM 0.33.0 sdist could not be fetched)"
+elif [ "$rc" != 0 ]; then
+  banner "vLLM own tests FAILED (exit $rc; logs in out/vllm-own-tests/)"
+  exit "$rc"
+else
+  banner "vLLM own tests passed"
+fi
+
 # The shrunk findings of `kvspec history` on vLLM 0.33.0 (tests/traces/vllm_history/0.33.0/)
 # replay to the same finding: tests/test_vllm_history.py, bounded by `timeout 120`. The other
 # releases need venvs of their own: scripts/vllm-history.sh, outside CI.
