@@ -48,7 +48,7 @@ READS: dict[str, tuple[Part, ...]] = {
     "I2": (*_pools("free_queue", "ref_cnt", "block_hash", "cached"), *_STORES_ALL, *_LOADS),
     "I3": (*_pools("cached", "block_hash", "free_queue"), *_STORES_ALL),
     "I4": (("cpu_pool", "ref_cnt"), *_STORES_ALL, *_LOADS, ("scheduler", "pending_cpu_hits")),
-    "I5": (("gpu_pool", "ref_cnt"), *_REQS, *_STORES_ALL, *_LOADS),
+    "I5": (("gpu_pool", "ref_cnt"), *_REQS, *_STORES_ALL, *_LOADS, ("engine", "deferred_frees")),
     "I6": (*_pools("ref_cnt"), *_STORES_ALL, *_LOADS),
     "I7": (*_STORES_LIVE, ("scheduler", "in_flight"), ("scheduler", "lazy")),
     "I8": _STORES_ALL,
