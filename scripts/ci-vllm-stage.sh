@@ -85,6 +85,10 @@ for patch in pr47235 repair; do
     "KVSPEC_REQUIRE_VLLM_PATCH=$patch"
 done
 
+# Verdicts on vLLM (tests/test_vllm_verdicts.py): the error contract observed in vLLM's own
+# objects, refusals that leave vLLM unchanged, raw targets; bounded by `timeout 300`.
+run_tests "vLLM verdicts" 300 .vllm-venv/bin/python tests/test_vllm_verdicts.py KVSPEC_REQUIRE_VLLM=1
+
 # The shrunk findings of `kvspec history` on vLLM 0.33.0 (tests/traces/vllm_history/0.33.0/)
 # replay to the same finding: tests/test_vllm_history.py, bounded by `timeout 120`. The other
 # releases need venvs of their own: scripts/vllm-history.sh, outside CI.
