@@ -85,6 +85,10 @@ for patch in pr47235 repair; do
     "KVSPEC_REQUIRE_VLLM_PATCH=$patch"
 done
 
+# Verdicts on vLLM (tests/test_vllm_verdicts.py): the error contract observed in vLLM's own
+# objects, refusals that leave vLLM unchanged, raw targets; bounded by `timeout 300`.
+run_tests "vLLM verdicts" 300 .vllm-venv/bin/python tests/test_vllm_verdicts.py KVSPEC_REQUIRE_VLLM=1
+
 # vLLM's own tests of the offload module (tests/v1/simple_kv_offload/ of the 0.33.0 sdist, fetched
 # once into .vllm-sdist/) and PR #47235's four tests (tests/vllm_own/), in .vllm-venv and the two
 # patched venvs: scripts/vllm-own-tests.sh, every test bounded by pytest-timeout (60 s) and every

@@ -3,7 +3,9 @@
 The oracle is what the policy claims unless ``--oracle`` says otherwise (``all``, or
 ids). A finding is a *violation* (an invariant of the oracle broke) or a *crash* (the
 target raised something other than a ``KVSpecError``); operations the target rejects
-cleanly are counted, not reported. The unshrunk trace is written as soon as the finding
+cleanly are counted, not reported. ``--raw`` (real vLLM targets only) fuzzes ``raw:vllm`` or
+``raw:vllm@VERSION``: calls the model would refuse reach vLLM, and what vLLM does with them is
+the oracle's to judge (an exception inside vLLM is a crash). The unshrunk trace is written as soon as the finding
 is made, the shrunk one when shrinking ends; file names carry target, policy, oracle
 and a content hash, so no run overwrites another's finding. Next to each trace is its finding
 page (the same name, ``.html``: ``kvspec.report.html``).
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvspec.adapters.targets import get_factory
+from kvspec.adapters.targets import RAW_PREFIX, get_factory, raw_target
 from kvspec.contract.config import POLICIES
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
 from kvspec.drivers.campaign import Distinct, check_workers, dedupe_key, run_workers, worker_seeds
@@ -64,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="invariants that judge the run (default: claims, what the policy guarantees; "
                         "for bug:<name>, the catalogue's oracle of that variant)")
     p.add_argument("--out", default="fuzz-out", help="directory for finding traces (default fuzz-out)")
+    p.add_argument("--raw", action="store_true",
+                   help="real vLLM only: calls the model would refuse reach vLLM (target raw:vllm, raw:vllm@VERSION)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -111,6 +115,8 @@ def fuzz_one(job: Job, seed: int) -> WorkerResult:
 def run(args: argparse.Namespace) -> int:
     oracles.check_spec(args.oracle)
     workers = check_workers(args.workers)
+    if args.raw:
+        args.target = raw_target(args.target)
     get_factory(args.target)  # an unknown target is a ConfigError before any work
     bug = args.target[4:] if args.target.startswith("bug:") else None
     policy = _default_policy(args.target, bug)
@@ -138,7 +144,7 @@ def _default_policy(target: str, bug: str | None) -> str:
         from kvspec.model.bugs import BUGS
 
         return BUGS[bug].policy
-    return "baseline" if target == "vllm" else "repair"
+    return "baseline" if target.removeprefix(RAW_PREFIX) == "vllm" or "vllm@" in target else "repair"
 
 
 def _oracle_label(spec: str | None) -> str:

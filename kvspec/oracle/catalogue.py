@@ -252,9 +252,11 @@ def _plan_positions(pre: Snapshot, post: Snapshot, copied: set[int], finishing: 
 @invariant("I1", "queue/ref", enforced_by=("model assertion", "stateful invariant", "CrossHair contract"))
 def _i1(s: Snapshot) -> Iterable[Violation]:
     """In each pool, a non-null block is in the free queue iff its ref count is 0; ref counts
-    are >= 0; the queue holds no block twice."""
+    are >= 0; the queue holds no block twice; the pool's own free count is the queue's length."""
     for name, p in _pools(s):
         queue = p["free_queue"]
+        if "free_count" in p:
+            yield Violation("I1", f"{name}: free count {p['free_count']} but {len(queue)} blocks in the free queue")
         for b, n in Counter(queue).items():
             if n > 1:
                 yield Violation("I1", f"{name}: block {b} is queued {n} times", (b,))
