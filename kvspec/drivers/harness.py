@@ -761,6 +761,16 @@ class EngineMachine:
         lost = len(self.run.snapshot["scheduler"]["policy_state"].get("lost", ()))
         self.max_lost = max(self.max_lost, lost)
 
+    def finish_request(self, rid: str) -> None:
+        """Abort a request of the bundle, unless it already stopped at ``max_tokens`` by itself
+        (async scheduling), which leaves nothing to abort."""
+        from hypothesis import event
+
+        if self.run.engine.status(rid) == "finished":
+            event("finish: the request had already stopped at max_tokens")
+            return
+        self.apply({"op": "finish", "rid": rid})
+
     def check_structures(self) -> None:
         """The target's own structural self-check, where it has one (the model's free queues,
         pools and scheduler check themselves)."""
@@ -820,14 +830,7 @@ def make_state_machine(factory: TargetFactory, reference: TargetFactory | None =
 
         @rule(rid=consumes(requests))
         def finish(self, rid: str) -> None:
-            """Abort a request of the bundle, unless it already stopped at ``max_tokens`` by itself
-            (async scheduling), which leaves nothing to abort."""
-            from hypothesis import event
-
-            if self.run.engine.status(rid) == "finished":
-                event("finish: the request had already stopped at max_tokens")
-                return
-            self.apply({"op": "finish", "rid": rid})
+            self.finish_request(rid)
 
         @precondition(lambda self: self.can("reset") and self.run.engine.step_index % 4 == 3)
         @rule()
