@@ -27,7 +27,7 @@ from typing import Any
 from kvspec.adapters.targets import get_factory
 from kvspec.contract.config import POLICIES
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
-from kvspec.drivers.campaign import Distinct, check_workers, dedupe_key, run_workers, worker_seeds
+from kvspec.drivers.campaign import Distinct, check_ray, check_workers, dedupe_key, run_workers, worker_seeds
 from kvspec.drivers.harness import FuzzResult, check_writable, finding_name, fuzz, save_trace
 from kvspec.drivers.trace import Trace
 from kvspec.oracle import oracles
@@ -60,11 +60,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1,
                    help="processes, each with its own seed for the whole budget; findings deduplicated "
                         "(same invariant, same shrunk trace up to renaming requests) (default 1)")
+    add_ray_argument(p)
     p.add_argument("--oracle", default=None, metavar="claims|all|ID,ID",
                    help="invariants that judge the run (default: claims, what the policy guarantees; "
                         "for bug:<name>, the catalogue's oracle of that variant)")
     p.add_argument("--out", default="fuzz-out", help="directory for finding traces (default fuzz-out)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_ray_argument(p: argparse.ArgumentParser) -> None:
+    """``--ray``, shared by the campaign commands."""
+    p.add_argument("--ray", default=None, metavar="ADDRESS|auto",
+                   help="run the workers as Ray tasks on the cluster at ADDRESS (HOST:PORT), or the one this "
+                        "machine belongs to (auto); results gathered here (needs kvspec[ray]; default: local "
+                        "processes)")
 
 
 @dataclass(frozen=True)
@@ -76,7 +85,7 @@ class Job:
     budget: float
     oracle: str | None
     out: str
-    quiet: bool  # no progress or "finding written" lines (--json, or more than one worker)
+    quiet: bool  # no progress or "finding written" lines (--json, more than one worker, or Ray)
 
 
 @dataclass
@@ -93,11 +102,7 @@ def fuzz_one(job: Job, seed: int) -> WorkerResult:
     done = WorkerResult(seed, FuzzResult(False, 0.0, 0, 0))
 
     def keep(trace: Trace, stage: str) -> None:
-        name = finding_name(job.target, job.policy, _oracle_label(job.oracle), trace, stage)
-        done.saved[stage] = save_trace(trace, job.out, name)
-        page = page_for_trace(trace, done.saved[stage], factory)
-        if not job.quiet:
-            print(f"\n{stage} finding written: {done.saved[stage]} (page: {page})", file=sys.stderr)
+        done.saved[stage] = save_finding(job, factory, trace, stage)
 
     def progress(traces: int, ops: int, secs: float) -> None:
         if not job.quiet and traces % 20 == 0:
@@ -108,9 +113,28 @@ def fuzz_one(job: Job, seed: int) -> WorkerResult:
     return done
 
 
+def save_finding(job: Job, factory: Any, trace: Trace, stage: str) -> Path:
+    """Write a finding's trace and its page under ``job.out``; the trace's path."""
+    path = save_trace(trace, job.out, finding_name(job.target, job.policy, _oracle_label(job.oracle), trace, stage))
+    page = page_for_trace(trace, path, factory)
+    if not job.quiet:
+        print(f"\n{stage} finding written: {path} (page: {page})", file=sys.stderr)
+    return path
+
+
+def _save_here(job: Job, results: list[WorkerResult]) -> None:
+    """Ray workers wrote their findings on their own machines: write them here too (same names)."""
+    factory = get_factory(job.target)
+    for w in results:
+        for stage, trace in (("unshrunk", w.result.unshrunk), ("shrunk", w.result.trace)):
+            if trace is not None:
+                w.saved[stage] = save_finding(job, factory, trace, stage)
+
+
 def run(args: argparse.Namespace) -> int:
     oracles.check_spec(args.oracle)
     workers = check_workers(args.workers)
+    ray = check_ray(args.ray)
     get_factory(args.target)  # an unknown target is a ConfigError before any work
     bug = args.target[4:] if args.target.startswith("bug:") else None
     policy = _default_policy(args.target, bug)
@@ -118,15 +142,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"bug:{bug} runs under policy {policy!r}, not {args.policy!r}")
     policy = args.policy or policy
     check_writable(args.out)
-    job = Job(args.target, policy, args.budget, args.oracle, str(args.out), args.json or workers > 1)
+    quiet = args.json or workers > 1 or ray is not None
+    job = Job(args.target, policy, args.budget, args.oracle, str(args.out), quiet)
     start = time.monotonic()
-    if workers == 1:
-        results = [fuzz_one(job, args.seed)]
-    else:
-        if not args.json:
-            print(f"{workers} workers, seeds {', '.join(map(str, worker_seeds(args.seed, workers)))}",
-                  file=sys.stderr)
-        results = run_workers(functools.partial(fuzz_one, job), args.seed, workers)
+    if (workers > 1 or ray is not None) and not args.json:
+        where = f" as Ray tasks on {ray}" if ray else ""
+        print(f"{workers} workers{where}, seeds {', '.join(map(str, worker_seeds(args.seed, workers)))}",
+              file=sys.stderr)
+    results = run_workers(functools.partial(fuzz_one, job), args.seed, workers, ray)
+    if ray is not None:
+        _save_here(job, results)
     report(args, results, policy, time.monotonic() - start)
     if any(w.result.interrupted for w in results):
         return EXIT_INTERRUPTED
