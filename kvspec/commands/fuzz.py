@@ -28,7 +28,7 @@ from kvspec.adapters.targets import get_factory
 from kvspec.contract.config import POLICIES
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
 from kvspec.drivers.campaign import Distinct, check_ray, check_workers, dedupe_key, run_workers, worker_seeds
-from kvspec.drivers.harness import FuzzResult, check_writable, finding_name, fuzz, save_trace
+from kvspec.drivers.harness import FuzzResult, _slug, check_writable, finding_name, fuzz, save_trace
 from kvspec.drivers.trace import Trace
 from kvspec.oracle import oracles
 from kvspec.report.html import page_for_trace
@@ -64,7 +64,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle", default=None, metavar="claims|all|ID,ID",
                    help="invariants that judge the run (default: claims, what the policy guarantees; "
                         "for bug:<name>, the catalogue's oracle of that variant)")
-    p.add_argument("--out", default="fuzz-out", help="directory for finding traces (default fuzz-out)")
+    p.add_argument("--out", default="fuzz-out",
+                   help="directory for finding traces and the campaign's state file (default fuzz-out)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on where the last campaign with the same target, policy, oracle, seed and workers "
+                        "stopped (each worker's generator state, kept in --out); default: start afresh")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -86,6 +90,7 @@ class Job:
     oracle: str | None
     out: str
     quiet: bool  # no progress or "finding written" lines (--json, more than one worker, or Ray)
+    resume: dict[int, list[Any]] = field(default_factory=dict)  # seed -> generator state to go on from
 
 
 @dataclass
@@ -109,7 +114,7 @@ def fuzz_one(job: Job, seed: int) -> WorkerResult:
             print(f"\r{traces} traces, {ops} ops, {secs:.0f}/{job.budget:.0f}s", end="", file=sys.stderr)
 
     done.result = fuzz(factory, job.policy, job.budget, seed, job.oracle, job.target, progress=progress,
-                       bug=bug, on_finding=keep)
+                       bug=bug, on_finding=keep, resume=job.resume.get(seed))
     return done
 
 
@@ -143,7 +148,10 @@ def run(args: argparse.Namespace) -> int:
     policy = args.policy or policy
     check_writable(args.out)
     quiet = args.json or workers > 1 or ray is not None
-    job = Job(args.target, policy, args.budget, args.oracle, str(args.out), quiet)
+    state = CampaignState.at(Path(args.out), args.target, policy, _oracle_label(args.oracle), args.seed, workers)
+    if args.resume:
+        state.load()
+    job = Job(args.target, policy, args.budget, args.oracle, str(args.out), quiet, state.states)
     start = time.monotonic()
     if (workers > 1 or ray is not None) and not args.json:
         where = f" as Ray tasks on {ray}" if ray else ""
@@ -152,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
     results = run_workers(functools.partial(fuzz_one, job), args.seed, workers, ray)
     if ray is not None:
         _save_here(job, results)
-    report(args, results, policy, time.monotonic() - start)
+    state.save(results)
+    report(args, results, policy, time.monotonic() - start, state)
     if any(w.result.interrupted for w in results):
         return EXIT_INTERRUPTED
     return EXIT_FINDING if any(w.result.found for w in results) else EXIT_CLEAN
@@ -170,7 +179,41 @@ def _oracle_label(spec: str | None) -> str:
     return "claims" if spec in (None, "claims") else str(spec)
 
 
-def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, wall: float) -> None:
+@dataclass
+class CampaignState:
+    """Where a campaign stopped: each worker's generator state and the totals so far, kept as JSON
+    in the output directory under a name made of target, policy, oracle, seed and workers."""
+
+    path: Path
+    states: dict[int, list[Any]] = field(default_factory=dict)
+    traces: int = 0  # before this run
+    ops: int = 0
+
+    @classmethod
+    def at(cls, out: Path, target: str, policy: str, oracle: str, seed: int, workers: int) -> CampaignState:
+        name = "-".join(_slug(x) for x in (target, policy, oracle, f"seed{seed}", f"workers{workers}"))
+        return cls(out / f"campaign-{name}.json")
+
+    def load(self) -> None:
+        """The saved state, if any (a malformed file is a ``ConfigError`` naming it)."""
+        if not self.path.exists():
+            return
+        try:
+            saved = json.loads(self.path.read_text())
+            self.states = {int(k): v for k, v in saved["states"].items()}
+            self.traces, self.ops = int(saved["traces"]), int(saved["ops"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"--resume: {self.path} is not a campaign state file ({exc})") from None
+
+    def save(self, results: list[WorkerResult]) -> None:
+        doc = {"states": {str(w.seed): w.result.rng_state for w in results},
+               "traces": self.traces + sum(w.result.traces for w in results),
+               "ops": self.ops + sum(w.result.ops for w in results)}
+        self.path.write_text(json.dumps(doc))
+
+
+def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, wall: float,
+           state: CampaignState) -> None:
     """The campaign's statistics and its distinct findings, as text or one JSON object."""
     distinct = Distinct()
     for w in results:
@@ -197,6 +240,8 @@ def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, w
         "unshrunk_trace": str(saved["unshrunk"]) if "unshrunk" in saved else None,
         "trace_ops": len(res.trace.ops) if res.trace else None,
         "workers": len(results),
+        "campaign": {"state": str(state.path), "resumed": bool(state.states),
+                     "traces_before": state.traces, "ops_before": state.ops},
         "per_worker": [{"seed": w.seed, "traces": w.result.traces, "ops": w.result.ops,
                         "ops_per_second": round(w.result.ops_per_second, 1), "found": w.result.found}
                        for w in results],
@@ -219,6 +264,9 @@ def _print_report(out: dict[str, Any]) -> None:
     print(f"{out['traces']} traces, {out['ops']} operations in {out['seconds']:.1f}s{workers} "
           f"({out['ops_per_second']:.0f} checked ops/s), target {out['target']}, policy {out['policy']}, "
           f"oracle: {out['oracle']}{state}")
+    if out["campaign"]["resumed"]:
+        print(f"  resumed a campaign of {out['campaign']['traces_before']} traces, "
+              f"{out['campaign']['ops_before']} operations ({out['campaign']['state']})")
     if out["rejected"]:
         print(f"  operations rejected cleanly by the target: {out['rejected']}")
     for name, n in out["rare_paths"].items():
