@@ -74,7 +74,7 @@ def test_ray_addresses_are_checked_before_any_work(monkeypatch: pytest.MonkeyPat
         check_ray("auto")
 
 
-def test_bugs_and_verify_rows_do_not_depend_on_the_number_of_workers(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bug_hunt_rows_do_not_depend_on_the_number_of_workers(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bugs", "--only", "stale-cursor,pin-leak", "--budget", "10", "--json"]
     assert main(argv) == 0
     one = json.loads(capsys.readouterr().out)
