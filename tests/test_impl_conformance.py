@@ -145,6 +145,17 @@ def test_payload_fidelity_is_exercised() -> None:
         assert totals["loaded_blocks"] > 0 and totals["stored_blocks"] > 0, (name, totals)
 
 
+@pytest.mark.parametrize("name", ["full-repair", "sliding-repair"])
+def test_the_hash_id_copy_path_agrees(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The traces here are small, so the repair scan looks the few new positions' hash ids up one by
+    one; with the threshold at 0 the same traces go through the copied hash-id table instead."""
+    from kvspec.impl import request_table
+
+    monkeypatch.setattr(request_table, "FEW_SHORT", 0)
+    for seed in SEEDS:
+        run_side_by_side(CONFIGS[name], seed)
+
+
 def test_a_divergent_implementation_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """The comparison is not vacuous: an implementation whose cursors never move disagrees."""
     from kvspec.impl.request_table import StoreTable

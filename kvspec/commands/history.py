@@ -33,6 +33,7 @@ import random
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from kvspec.adapters.targets import raw_target
 from kvspec.commands.fuzz import budget_seconds
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError
+from kvspec.drivers.campaign import check_workers, single_threaded
 
 NAME = "history"
 HELP = "fuzz each real vLLM release with the invariants as the only oracle; table of findings"
@@ -91,6 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="directory for the shrunk traces (default fuzz-out/history)")
     p.add_argument("--raw", action="store_true",
                    help="fuzz raw:vllm@VERSION: calls the model would refuse reach vLLM (default: vllm@VERSION)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="releases fuzzed at once, each in its own venv's process (default 1)")
     p.add_argument("--worker", metavar="VERSION", default=None, help=argparse.SUPPRESS)
 
 
@@ -104,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         raise ConfigError("no venv for vLLM " + ", ".join(missing) + "; build each with "
                           "scripts/setup-vllm-release.sh VERSION")
-    rows: list[dict[str, Any]] = []
-    for v in versions:
-        rows.extend(_run_release(v, args))
+    workers = check_workers(args.workers)
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(versions)))) as pool:  # each thread waits on a process
+        rows = [row for found in pool.map(lambda v: _run_release(v, args), versions) for row in found]
     _print(rows, versions, args.json)
     return EXIT_FINDING if rows else EXIT_CLEAN
 
@@ -166,6 +170,7 @@ def _worker(args: argparse.Namespace) -> int:
     from kvspec.adapters.targets import get_factory
     from kvspec.adapters.vllm import baseline_oracle
 
+    single_threaded()
     version = args.worker
     target = f"{compat.TARGET_PREFIX}{version}"
     factory = get_factory(raw_target(target) if args.raw else target)

@@ -503,6 +503,7 @@ class FuzzResult:
     rare: dict[str, int] = field(default_factory=dict)
     rejected: int = 0
     interrupted: bool = False
+    rng_state: list[Any] | None = None  # the generator's state at the end (JSON-able: a campaign resumes from it)
 
     @property
     def kind(self) -> str | None:
@@ -521,12 +522,17 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
          target_name: str = "model", ops_per_trace: int = 60, lazy: bool = False,
          progress: Callable[[int, int, float], None] | None = None,
          config_for: Callable[[random.Random], OffloadConfig] | None = None,
-         bug: str | None = None, on_finding: FindingSink | None = None) -> FuzzResult:
+         bug: str | None = None, on_finding: FindingSink | None = None,
+         resume: list[Any] | None = None) -> FuzzResult:
     """Random traces until a finding or ``budget`` seconds. ``oracle`` is an oracle spec
     (``kvspec.oracle.resolve``: None/``claims``, ``all`` or ids), resolved for each random
     configuration; ``bug`` names the known-bug variant under test. A finding is handed to
-    ``on_finding`` unshrunk, then shrunk; Ctrl-C returns what was found so far."""
+    ``on_finding`` unshrunk, then shrunk; Ctrl-C returns what was found so far. ``resume``: a
+    ``rng_state`` of an earlier run with the same seed, to go on where it stopped."""
     rng = random.Random(seed)
+    if resume is not None:
+        version, internal, gauss = resume
+        rng.setstate((version, tuple(internal), gauss))
     start = time.monotonic()
     rare = RarePaths()
     res = FuzzResult(False, 0.0, 0, 0, rare=rare.counts)
@@ -563,6 +569,8 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
     res.seconds = time.monotonic() - start
     if not res.found:
         res.search_seconds = res.seconds
+    version, internal, gauss = rng.getstate()
+    res.rng_state = [version, list(internal), gauss]
     return res
 
 
