@@ -23,6 +23,8 @@ import torch
 from kvspec.impl.convert import int_tensor
 from kvspec.impl.keys import KeyTable
 
+FEW_SHORT = 256  # at most this many positions beyond the copied hash ids are looked up directly
+
 
 class StoreTable:
     def __init__(self, num_groups: int, keys: KeyTable, device: torch.device) -> None:
@@ -157,13 +159,26 @@ class StoreTable:
 
     def hash_ids_at(self, slots: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """Per (slot, position) pair: the hash id of ``block_hashes[p]`` of the slot's request, -1
-        where it has none. Only slots whose copied hash ids end before an asked position are
-        synced (``sync_hids``) and copied in (one scatter)."""
-        short = p >= self.hid_len[slots]
-        if bool(short.any()):
+        where it has none (or its hash was never interned: no key of it exists). Pairs beyond the
+        copied hash ids are looked up one by one when they are few (``FEW_SHORT``, a decode step's
+        new positions), else their slots are synced (``sync_hids``) and copied in (one scatter).
+        O(pairs) tensor work plus O(min(short pairs, FEW_SHORT)) dict look-ups or the sync."""
+        short = p >= self.hid_len.index_select(0, slots)
+        n_short = int(short.sum())
+        if n_short > FEW_SHORT:
             self._copy_hids(torch.unique(slots[short]).tolist())
-            short = p >= self.hid_len[slots]
-        return torch.where(short, -1, self.hid_tab[slots, p.clamp(max=self.hid_tab.shape[1] - 1)])
+            short = p >= self.hid_len.index_select(0, slots)
+            n_short = 0
+        got = torch.where(short, -1, self.hid_tab[slots, p.clamp(max=self.hid_tab.shape[1] - 1)])
+        if n_short:
+            at = short.nonzero().flatten()
+            known, request = self.keys.known_hash_id_map(), self.request
+            looked = []
+            for s, q in zip(slots.index_select(0, at).tolist(), p.index_select(0, at).tolist(), strict=True):
+                hashes = request[s].block_hashes
+                looked.append(known.get(hashes[q], -1) if q < len(hashes) else -1)
+            got[at] = int_tensor(looked, self.device)
+        return got
 
     def _copy_hids(self, slots: list[int]) -> None:
         dev = self.device

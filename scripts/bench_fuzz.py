@@ -1,7 +1,10 @@
 """Fuzz throughput: checked operations per second with incremental vs full checking after every
 operation, per target, the policy's claimed oracle; medians of interleaved rounds in one run.
 
-    python scripts/bench_fuzz.py [--seconds 4] [--rounds 3] [--targets model,impl] [--policy repair]
+    python scripts/bench_fuzz.py [--seconds 4] [--rounds 3] [--targets model,impl] [--policy repair] [--threads 1]
+
+``--threads``: torch intra-op threads (default 1, what campaign workers use:
+``kvspec.drivers.campaign.single_threaded``; 0 leaves torch's own default, one per core).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import argparse
 import random
 import statistics
 import time
+
+import torch
 
 from kvspec.adapters import claims as claimed
 from kvspec.adapters.targets import get_factory
@@ -33,14 +38,18 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--targets", default="model,impl", help="comma-separated targets (default model,impl)")
     p.add_argument("--policy", default="repair", help="policy (default repair)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads, 0: torch's default (default 1)")
     a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     for target in a.targets.split(","):
         got: dict[bool, list[float]] = {True: [], False: []}
         for r in range(a.rounds):
             for inc in (False, True):
                 got[inc].append(rate(target, a.policy, a.seconds, inc, r))
         full, inc = statistics.median(got[False]), statistics.median(got[True])
-        print(f"{target:6s} {a.policy}: full {full:7.0f} ops/s, incremental {inc:7.0f} ops/s, ratio {inc / full:.2f}")
+        print(f"{target:6s} {a.policy} threads {torch.get_num_threads()}: full {full:7.0f} ops/s, "
+              f"incremental {inc:7.0f} ops/s, ratio {inc / full:.2f}")
 
 
 if __name__ == "__main__":

@@ -59,10 +59,10 @@ run_tests "vLLM conformance stage" 900 .vllm-venv/bin/python tests/test_vllm_con
 
 # vLLM's real scheduler (Scheduler/AsyncScheduler with the SimpleCPUOffloadConnector) in lockstep
 # with the engine model: tests/test_vllm_scheduler.py with 250 random traces of 120 operations
-# per configuration family (1,000 in all), bounded by `timeout 480`. Any divergence of the engine
-# from vLLM's synchronous scheduler fails the stage; saved traces of the engine against the async
-# scheduler are strict expected failures (the engine models synchronous scheduling).
-run_tests "vLLM scheduler lockstep" 480 .vllm-venv/bin/python tests/test_vllm_scheduler.py \
+# per configuration family and scheduling mode (1,000 against the AsyncScheduler, vLLM's default,
+# and 1,000 against the synchronous Scheduler), bounded by `timeout 1200`. Any divergence fails
+# the stage.
+run_tests "vLLM scheduler lockstep" 1200 .vllm-venv/bin/python tests/test_vllm_scheduler.py \
   KVSPEC_REQUIRE_VLLM=1 KVSPEC_VLLM_SCHEDULER_TRACES=250
 
 # vLLM 0.33.0 with kvspec's patches (patches/vllm-0.33.0/): each built as its own venv by
@@ -84,6 +84,28 @@ for patch in pr47235 repair; do
   run_tests "vLLM + $patch lockstep" 300 ".vllm-$patch-venv/bin/python" tests/test_vllm_patched.py \
     "KVSPEC_REQUIRE_VLLM_PATCH=$patch"
 done
+
+# Verdicts on vLLM (tests/test_vllm_verdicts.py): the error contract observed in vLLM's own
+# objects, refusals that leave vLLM unchanged, raw targets; bounded by `timeout 300`.
+run_tests "vLLM verdicts" 300 .vllm-venv/bin/python tests/test_vllm_verdicts.py KVSPEC_REQUIRE_VLLM=1
+
+# vLLM's own tests of the offload module (tests/v1/simple_kv_offload/ of the 0.33.0 sdist, fetched
+# once into .vllm-sdist/) and PR #47235's four tests (tests/vllm_own/), in .vllm-venv and the two
+# patched venvs: scripts/vllm-own-tests.sh, every test bounded by pytest-timeout (60 s) and every
+# venv's run by `timeout 600` (about 1.5 min in all on 2 shared cores). It fails when a test that
+# passes on unpatched vLLM does not pass on a patch (other than the known differences listed in
+# patches/vllm-0.33.0/vllm-own-tests-known.tsv) or a PR test fails on a patch; skipped loudly when
+# the registry is unreachable.
+rc=0
+scripts/vllm-own-tests.sh || rc=$?
+if [ "$rc" = 3 ]; then
+  banner "vLLM own tests SKIPPED: registry unreachable (the vLLM 0.33.0 sdist could not be fetched)"
+elif [ "$rc" != 0 ]; then
+  banner "vLLM own tests FAILED (exit $rc; logs in out/vllm-own-tests/)"
+  exit "$rc"
+else
+  banner "vLLM own tests passed"
+fi
 
 # The shrunk findings of `kvspec history` on vLLM 0.33.0 (tests/traces/vllm_history/0.33.0/)
 # replay to the same finding: tests/test_vllm_history.py, bounded by `timeout 120`. The other

@@ -86,6 +86,9 @@ def render_claims() -> str:
 # -- scenarios -------------------------------------------------------------------------------
 
 
+STORY = {"async_scheduling": False}  # the scenarios are told step by step: one batch at a time
+
+
 @dataclass
 class Scenario:
     name: str
@@ -167,7 +170,7 @@ class Outcome:
 
 
 def run_scenario(sc: Scenario, policy: str) -> Outcome:
-    eng = Engine(make_scheduler(OffloadConfig(policy=policy, **sc.config)))
+    eng = Engine(make_scheduler(OffloadConfig(policy=policy, **{**STORY, **sc.config})))
     violated: dict[str, int] = {}
     per_step: list[int] = []
     for i, op in enumerate(sc.ops):
@@ -192,7 +195,7 @@ def render_scenarios() -> str:
     out = []
     for sc in SCENARIOS:
         out.append(f"**{sc.name} ({sc.hazard}).** {sc.what} Configuration: "
-                   f"`{json.dumps({**OffloadConfig().to_json(), **sc.config, 'policy': '<policy>'})}`.")
+                   f"`{json.dumps({**OffloadConfig().to_json(), **STORY, **sc.config, 'policy': '<policy>'})}`.")
         out.append("")
         out.append("```json")
         out.extend(json.dumps(op) for op in sc.ops)

@@ -42,7 +42,7 @@ DEFAULT_OUT = ROOT / "specs" / "pictures"
 
 # T2 (docs/vllm-semantics.md §8): B=16, GPU 16 blocks, CPU 5 blocks (4 usable); R has 6 full
 # blocks + 1 token, prefilled 64 tokens per step, then decodes.
-T2_CONFIG = {"block_size": 16, "num_gpu_blocks": 16, "num_cpu_blocks": 5}
+T2_CONFIG = {"block_size": 16, "num_gpu_blocks": 16, "num_cpu_blocks": 5, "async_scheduling": False}
 T2_PREFIX: list[dict[str, Any]] = [
     {"op": "add", "rid": "R", "family": 1, "prompt_len": 97, "max_tokens": 40},
     {"op": "step", "admit": ["R"], "chunk": 64},

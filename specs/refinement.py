@@ -233,6 +233,7 @@ def abstract_snapshot(snap: Mapping[str, Any]) -> dict[str, AbstractRequest]:
 PLAN_STEP = ("sliding-free", "schedule", "evict", "env-store", "plan", "evict", "env-store")
 REPAIR_STEP = ("repair-phase", "evict", "env-store")
 AFTER_STEP = ("schedule", "sliding-free")  # computed tokens advance after the planning step
+FLUSH = ("evict", "env-store", "evict", "env-store")  # a finish flush: CPU allocations, stores
 REGISTER = "register"  # update_state_after_alloc: not a transition of transitions.py, see registration()
 
 
@@ -252,11 +253,14 @@ class Template:
 
 
 def _step_template(policy: str, op: Mapping[str, Any], rid: str, pre: AbstractRequest,
-                   post: AbstractRequest) -> tuple[str, ...]:
+                   post: AbstractRequest, stops: int) -> tuple[str, ...]:
     """A step: preemption (named by the operation, or the scheduler's own when an allocation
     fails), admission (full table) or a loaded request's full table, the schedule, others'
     evictions and stores around the focal request's plan, repair's phase, then the computed
-    tokens advance."""
+    tokens advance. Under async scheduling the step then processes the batch before it: tokens
+    are confirmed (a schedule), and each of the ``stops`` requests that reached ``max_tokens``
+    finishes there, its finish flush evicting and storing as a ``finish`` operation's does (the
+    focal request's own ``finish`` last, when it is one of them)."""
     preempted = rid in (op.get("preempt") or ()) or (pre.status == "running" and post.status == "preempted")
     admitted = rid in (op.get("admit") or ()) and post.status in ADMITTED_TO and (
         preempted or pre.status in ADMITTED_FROM or pre.status is None)
@@ -269,23 +273,27 @@ def _step_template(policy: str, op: Mapping[str, Any], rid: str, pre: AbstractRe
         head.append("resume")
     elif pre.status == "loaded":
         head.append("loaded-full-table")
-    return (*head, *PLAN_STEP, *(REPAIR_STEP if policy == "repair" else ()), *AFTER_STEP)
+    tail: tuple[str, ...] = ()
+    if stops:
+        stopped = pre.active and not post.active and post.status in (FINISHED, None)
+        tail = ("schedule", *FLUSH * stops, *(("finish",) if stopped else ()))
+    return (*head, *PLAN_STEP, *(REPAIR_STEP if policy == "repair" else ()), *AFTER_STEP, *tail)
 
 
 def template(policy: str, op: Mapping[str, Any], rid: str, pre: AbstractRequest,
-             post: AbstractRequest) -> Template | None:
+             post: AbstractRequest, stops: int = 0) -> Template | None:
     """The transitions operation ``op`` may be for request ``rid``; None when neither state is
-    active (nothing to check). Only ``finish`` (of that request) and ``reset`` end store state;
-    ``check_request`` rejects any other template whose pair does (``ENDED``)."""
+    active (nothing to check). Only ``finish`` (of that request), a step that stopped it at
+    ``max_tokens`` (async scheduling; ``stops`` requests stopped in the step) and ``reset`` end
+    store state; ``check_request`` rejects any other template whose pair does (``ENDED``)."""
     name = op.get("op")
     if not pre.active and not post.active:
         return None
     if name == "step":
-        return Template(_step_template(policy, op, rid, pre, post))
-    env_twice = ("evict", "env-store", "evict", "env-store")
+        return Template(_step_template(policy, op, rid, pre, post, stops))
     slots: tuple[str, ...]
     if name == "finish":  # the finish flush allocates (evicts) and stores, the finishing request's too
-        slots = (*env_twice, "finish") if op.get("rid") == rid else env_twice
+        slots = (*FLUSH, "finish") if op.get("rid") == rid else FLUSH
     elif name == "reset":
         slots = ("reset", "finish")
     elif name == "report":
@@ -487,10 +495,10 @@ def _diagnose(c: _Chain, obs: list[Observation], groups: int) -> tuple[int | Non
 
 
 def check_request(policy: str, kinds: tuple[str, ...], op: Mapping[str, Any], rid: str,
-                  pre: AbstractRequest, post: AbstractRequest, op_index: int | None = None
+                  pre: AbstractRequest, post: AbstractRequest, op_index: int | None = None, stops: int = 0
                   ) -> Rejection | None:
     """Check one request's pair against its template; None when admitted (or nothing to check)."""
-    tpl = template(policy, op, rid, pre, post)
+    tpl = template(policy, op, rid, pre, post, stops)
     if tpl is None:
         return None
     name = str(op.get("op"))
@@ -518,16 +526,26 @@ def check_step(before: Mapping[str, Any], after: Mapping[str, Any], op: Mapping[
     kinds = tuple(g["kind"] for g in before["engine"]["config"]["groups"])
     pre, post = abstract_snapshot(before), abstract_snapshot(after)
     absent = [_absent(len(kinds), snap, policy) for snap in (before, after)]
+    stops = _stops(before, after) if op.get("op") == "step" else 0
     for rid in sorted(set(pre) | set(post)):
         a, b = pre.get(rid, absent[0]), post.get(rid, absent[1])
         if not a.active and not b.active:
             continue
         out.checked += 1
-        bad = check_request(policy, kinds, op, rid, a, b, op_index)
+        bad = check_request(policy, kinds, op, rid, a, b, op_index, stops)
         if bad is not None:
             out.rejections.append(bad)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _stops(before: Mapping[str, Any], after: Mapping[str, Any]) -> int:
+    """Requests a step finished by itself (async scheduling: stopped at ``max_tokens`` when the
+    batch that sampled their last token was processed, a preempted one by its stale output):
+    unfinished before, finished or gone after."""
+    unfinished = {rid for rid, r in before["engine"]["requests"].items() if r["status"] != FINISHED}
+    now = after["engine"]["requests"]
+    return sum(1 for rid in unfinished if rid not in now or now[rid]["status"] == FINISHED)
 
 
 def _absent(groups: int, snap: Mapping[str, Any], policy: str) -> AbstractRequest:

@@ -41,7 +41,8 @@ def _holes(cex: dict[str, Any]) -> int:
 def trace_t2(cex: dict[str, Any]) -> tuple[OffloadConfig, list[dict[str, Any]]]:
     c = max(1, min(cex["pre.cur0"], 4))
     e = max(1, min(_holes(cex), c))
-    cfg = OffloadConfig(num_cpu_blocks=c + 1, num_gpu_blocks=2 * (c + e) + 4, policy="baseline")
+    cfg = OffloadConfig(num_cpu_blocks=c + 1, num_gpu_blocks=2 * (c + e) + 4, policy="baseline",
+                        async_scheduling=False)
     ops: list[dict[str, Any]] = [
         {"op": "add", "rid": "R", "family": 1, "prompt_len": (c + e) * B + 1, "max_tokens": 8},
         {"op": "step", "admit": ["R"], "chunk": c * B},  # prefill c blocks
@@ -58,7 +59,8 @@ def trace_t2(cex: dict[str, Any]) -> tuple[OffloadConfig, list[dict[str, Any]]]:
 def trace_h1(cex: dict[str, Any]) -> tuple[OffloadConfig, list[dict[str, Any]]]:
     c = max(1, min(cex["pre.cur0"], 4))
     e = max(1, min(_holes(cex), c))
-    cfg = OffloadConfig(num_cpu_blocks=c + 1, num_gpu_blocks=2 * (c + e) + 6, policy="signal-rescan")
+    cfg = OffloadConfig(num_cpu_blocks=c + 1, num_gpu_blocks=2 * (c + e) + 6, policy="signal-rescan",
+                        async_scheduling=False)
     ops: list[dict[str, Any]] = [
         {"op": "add", "rid": "R", "family": 1, "prompt_len": c * B + 1, "max_tokens": 1},
         {"op": "step", "admit": ["R"], "chunk": c * B + 1},  # prefill; R samples its only token
@@ -77,7 +79,8 @@ def trace_h1(cex: dict[str, Any]) -> tuple[OffloadConfig, list[dict[str, Any]]]:
 
 def trace_h3(cex: dict[str, Any]) -> tuple[OffloadConfig, list[dict[str, Any]]]:
     h = max(1, min(_holes(cex), 4))
-    cfg = OffloadConfig(num_cpu_blocks=h + 1, num_gpu_blocks=4 * h + 8, policy="signal-rescan")
+    cfg = OffloadConfig(num_cpu_blocks=h + 1, num_gpu_blocks=4 * h + 8, policy="signal-rescan",
+                        async_scheduling=False)
     ops: list[dict[str, Any]] = [
         {"op": "add", "rid": "R", "family": 1, "prompt_len": h * B + 1, "max_tokens": 40},
         {"op": "step", "admit": ["R"], "chunk": h * B + 1},

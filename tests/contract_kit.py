@@ -10,7 +10,9 @@ pinned, a load sent), runs its ``prepare`` step if it has one, makes one bad cal
   ``MAX_MESSAGE`` characters, even for a 5 MB bad value;
 * the engine's snapshot (the target's, plus the engine's view) and the GPU pool's own view
   (ref counts, keys, free queue) exactly as they were before the call, the engine's last
-  operation untouched, and the snapshot still valid (``kvspec.contract.snapshot_io``).
+  operation untouched, and the snapshot still valid (``kvspec.contract.snapshot_io``);
+* whatever else the test class observes of the target's own objects (``ErrorContract.observe``:
+  for real vLLM, its requests, blocks and manager fields, read from vLLM's objects) unchanged.
 
 The cases cover every entry point of a target (``get_num_new_matched_tokens``,
 ``update_state_after_alloc``, ``build_connector_meta``, ``update_connector_output``,
@@ -529,6 +531,11 @@ class ErrorContract:
     policy: ClassVar[str] = "baseline"
     _shared: ClassVar[dict[type, Scene]] = {}
 
+    @staticmethod
+    def observe(scene: Scene) -> Any:
+        """What else a refused call must leave as it was, read from the target's own objects."""
+        return None
+
     def scene_for(self, case: Case) -> Scene:
         cls = type(self)
         if case.prepare is not None:
@@ -542,16 +549,17 @@ class ErrorContract:
     @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
     def test_bad_input_is_refused_and_changes_nothing(self, case: Case) -> None:
         try:
-            check_refused(self.scene_for(case), case)
+            check_refused(self.scene_for(case), case, self.observe)
         except BaseException:
             ErrorContract._shared.pop(type(self), None)
             raise
 
 
-def check_refused(scene: Scene, case: Case) -> None:
+def check_refused(scene: Scene, case: Case, observe: Callable[[Scene], Any] = ErrorContract.observe) -> None:
     """``case``'s call on ``scene`` raises its error with a matching, bounded message and leaves
-    everything as it was (the state still follows the snapshot format)."""
+    everything as it was (the state still follows the snapshot format), ``observe(scene)`` included."""
     before = copy.deepcopy(scene.view())
+    seen = copy.deepcopy(observe(scene))
     with pytest.raises(KVSpecError) as info:
         case.call(scene)
     message = str(info.value)
@@ -560,4 +568,5 @@ def check_refused(scene: Scene, case: Case) -> None:
     assert 0 < len(message) < MAX_MESSAGE, f"a message of {len(message)} characters"
     after = scene.view()
     assert after == before, "the rejected call changed the state"
+    assert observe(scene) == seen, "the rejected call changed the target's own objects"
     assert snapshot_issues(after[0]) == [], "the state no longer follows the snapshot format"

@@ -21,6 +21,9 @@ from kvspec.model.scheduler import OffloadScheduler
 from kvspec.oracle.catalogue import LOCAL_INVARIANTS, check
 
 B = 16
+# Hand-written, step-by-step stories are told under synchronous scheduling (one batch at a time,
+# a request runs until `finish`); random traces and the lockstep cover async scheduling too.
+SYNC: dict[str, Any] = {"async_scheduling": False}
 
 
 @dataclass
@@ -53,7 +56,7 @@ def req(rid: str, num_blocks: int, extra: int = 1, family: int | None = None) ->
 
 
 def make(policy: str = "baseline", cpu: int = 5, gpu: int = 16, **kw: object) -> OffloadScheduler:
-    return make_scheduler(OffloadConfig(num_cpu_blocks=cpu, num_gpu_blocks=gpu, policy=policy, **kw))  # type: ignore[arg-type]
+    return make_scheduler(OffloadConfig(num_cpu_blocks=cpu, num_gpu_blocks=gpu, policy=policy, **{**SYNC, **kw}))  # type: ignore[arg-type]
 
 
 def alloc(s: OffloadScheduler, r: Req, n: int, first_pos: int = 0) -> list[int]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from scenario_kit import SYNC
 
 import kvspec.drivers.harness as harness
 from kvspec.cli import main
@@ -182,7 +183,7 @@ def test_every_report_names_its_oracle(capsys: pytest.CaptureFixture[str], tmp_p
 
 
 def _busy_engine() -> Engine:
-    e = Engine(make_scheduler(OffloadConfig(policy="repair", num_cpu_blocks=6)))
+    e = Engine(make_scheduler(OffloadConfig(policy="repair", num_cpu_blocks=6, **SYNC)))
     e.apply({"op": "add", "rid": "a", "family": 0, "prompt_len": 40})
     e.apply({"op": "step", "admit": ["a"]})
     e.apply({"op": "step"})
@@ -226,7 +227,7 @@ def test_a_type_error_inside_a_target_is_a_crash_not_a_rejection() -> None:
         def build_connector_meta(self, scheduler_output: Any) -> Any:
             raise TypeError("'int' object is not iterable")
 
-    out = harness.run_ops(OffloadConfig(), [{"op": "add", "rid": "a", "family": 0, "prompt_len": 16},
+    out = harness.run_ops(OffloadConfig(**SYNC), [{"op": "add", "rid": "a", "family": 0, "prompt_len": 16},
                                             {"op": "step", "admit": ["a"]}],
                           lambda cfg: Broken(cfg, make_scheduler(cfg).gpu_pool))
     assert out.kind == CRASH and out.exception == "TypeError" and out.op_index == 1

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scenario_kit import T1_CONFIG, T1_OPS
+from scenario_kit import SYNC, T1_CONFIG, T1_OPS
 
 from kvspec.cli import main
 from kvspec.contract.config import OffloadConfig
@@ -37,7 +37,7 @@ LIVE_OPS: list[dict[str, Any]] = [  # R is running with live store state and a s
 
 
 def _engine(policy: str, ops: list[dict[str, Any]], **cfg: Any) -> Engine:
-    eng = Engine(make_scheduler(OffloadConfig(policy=policy, **cfg)))
+    eng = Engine(make_scheduler(OffloadConfig(policy=policy, **{**SYNC, **cfg})))
     for op in ops:
         eng.apply(op)
     return eng

@@ -139,7 +139,7 @@ def test_valid_configs_stay_valid() -> None:
 HEADER_CASES: list[tuple[str, str, str]] = [
     ("version 0", json.dumps({"kvspec_trace": 0, "config": GOOD}), "version 0"),
     ("version -1", json.dumps({"kvspec_trace": -1, "config": GOOD}), "version -1"),
-    ("version too new", json.dumps({"kvspec_trace": 3, "config": GOOD}), "newer"),
+    ("version too new", json.dumps({"kvspec_trace": trace_io.TRACE_VERSION + 1, "config": GOOD}), "newer"),
     ("version str", json.dumps({"kvspec_trace": "1", "config": GOOD}), "version"),
     ("version bool", json.dumps({"kvspec_trace": True, "config": GOOD}), "version"),
     ("version 5000 digits", '{"kvspec_trace": ' + "9" * 4000 + ', "config": {}}', "version"),
@@ -324,7 +324,9 @@ def test_shipped_traces_read_whole_and_streamed_alike() -> None:
         first = json.loads(path.read_text().split("\n", 1)[0])
         tr = trace_io.read(path)
         assert tr.target == first["target"] and tr.seed == first["seed"] and tr.note == first["note"]
-        assert tr.config.to_json() == first["config"]
+        # versions 1 and 2 were written before async scheduling was modelled: read as synchronous
+        assert tr.config.to_json() == ({"async_scheduling": False, **first["config"]}
+                                       if first["kvspec_trace"] <= 2 else first["config"])
         with trace_io.open_trace(path) as stream:
             assert stream.version == first["kvspec_trace"] and stream.config == tr.config
             assert stream.oracle == tr.oracle and stream.finding == tr.finding
@@ -332,12 +334,13 @@ def test_shipped_traces_read_whole_and_streamed_alike() -> None:
         assert len(tr.ops) == len([ln for ln in path.read_text().splitlines()[1:] if ln.strip()])
 
 
-def test_version_2_round_trip(tmp_path: Path) -> None:
-    tr = trace_io.read(TRACES / "vllm-fixme.jsonl")
+def test_version_3_round_trip(tmp_path: Path) -> None:
+    tr = trace_io.read(TRACES / "vllm-fixme.jsonl")  # a version 2 file: synchronous scheduling
     tr.oracle = ("C1", "I3")
     tr.finding = {"kind": "violation", "op_index": len(tr.ops) - 1, "invariant": "C1", "exception": None}
     head = tr.header()
-    assert head["kvspec_trace"] == trace_io.TRACE_VERSION == 2
+    assert head["kvspec_trace"] == trace_io.TRACE_VERSION == 3
+    assert head["config"]["async_scheduling"] is False  # written out, so it stays what it was
     assert head["oracle"] == ["C1", "I3"] and head["finding"]["invariant"] == "C1"
     tr.write(tmp_path / "t.jsonl")
     again = trace_io.read(tmp_path / "t.jsonl")
@@ -345,6 +348,19 @@ def test_version_2_round_trip(tmp_path: Path) -> None:
     crash = replace(tr, oracle=None, finding={"kind": "crash", "op_index": 0, "exception": "TypeError"})
     assert trace_io.loads(crash.dumps()).finding == {"kind": "crash", "op_index": 0, "invariant": None,
                                                     "exception": "TypeError"}
+
+
+def test_traces_before_version_3_ran_under_synchronous_scheduling() -> None:
+    """A config without ``async_scheduling`` is synchronous in versions 1 and 2 (written before async
+    scheduling was modelled) and takes the default, async, in version 3; a config that says so is
+    read as it says in every version."""
+    bare = {k: v for k, v in GOOD.items() if k != "async_scheduling"}
+    for version, expected in ((1, False), (2, False), (3, True)):
+        head = json.dumps({"kvspec_trace": version, "config": bare})
+        assert trace_io.loads(head + "\n" + ADD + "\n").config.async_scheduling is expected
+        for said in (False, True):
+            head = json.dumps({"kvspec_trace": version, "config": {**bare, "async_scheduling": said}})
+            assert trace_io.loads(head + "\n" + ADD + "\n").config.async_scheduling is said
 
 
 def test_writing_refuses_what_reading_would_refuse() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scenario_kit import T1_CONFIG, T1_OPS
+from scenario_kit import SYNC, T1_CONFIG, T1_OPS
 
 from kvspec.adapters.claims import resolve
 from kvspec.cli import main
@@ -37,7 +37,7 @@ T2_OPS: list[dict[str, Any]] = [  # docs §8 T2: R's first two blocks are evicte
 def run_engine(policy: str, ops: list[dict[str, Any]], **cfg: Any) -> Engine:
     if ops is T1_OPS or (ops and ops[: len(T1_OPS)] == T1_OPS):
         cfg = {**T1_CONFIG, **cfg}
-    eng = Engine(make_scheduler(OffloadConfig(policy=policy, **cfg)))
+    eng = Engine(make_scheduler(OffloadConfig(policy=policy, **{**SYNC, **cfg})))
     for op in ops:
         eng.apply(op)
     return eng

@@ -15,7 +15,7 @@ from kvspec.oracle.catalogue import check
 
 
 def _t2(policy: str) -> Engine:
-    e = Engine(make_scheduler(OffloadConfig(num_cpu_blocks=5, policy=policy)))
+    e = Engine(make_scheduler(OffloadConfig(num_cpu_blocks=5, policy=policy, async_scheduling=False)))
     e.op_add("R", family=1, prompt_len=97, max_tokens=8)
     e.op_step(admit=["R"], chunk=64)  # t1: 4 blocks prefilled
     m = e.op_step(chunk=64)  # t2: confirmed 64 -> g1..g4 -> c1..c4

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import pytest
-from scenario_kit import alloc, complete, cpu_hit, cpu_map, make, out, req
+from scenario_kit import SYNC, alloc, complete, cpu_hit, cpu_map, make, out, req
 
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.drivers.engine import Engine, prompt_tokens
@@ -42,7 +42,7 @@ class Run:
     """An engine run that records every catalogue violation seen after each operation."""
 
     def __init__(self, policy: str, **cfg: Any) -> None:
-        self.e = Engine(make_scheduler(OffloadConfig(policy=policy, **cfg)))
+        self.e = Engine(make_scheduler(OffloadConfig(policy=policy, **{**SYNC, **cfg})))
         self.seen: set[str] = set()
         self.stores: list[list[int]] = []  # GPU ids stored by each step
 

@@ -84,7 +84,7 @@ def test_block_pool_and_prefix_index_checks(corrupt: Callable[[TensorOffloadSche
 
 @pytest.mark.parametrize("corrupt,message", [
     (lambda s: setattr(s.stores, "num_finished", 1), "finished count"),
-    (lambda s: s.stores.hid_tab.__setitem__((0, 0), 77), "hash id tensor"),
+    (lambda s: (s.stores._copy_hids([0]), s.stores.hid_tab.__setitem__((0, 0), 77)), "hash id tensor"),
     (lambda s: s.stores.rid.__setitem__(0, "b"), "names another request"),
     (lambda s: s.stores.length.__setitem__((0, 0), s.stores.capacity + 1), "capacity"),
 ])
@@ -121,8 +121,7 @@ def test_in_flight_mirror_check() -> None:
 ])
 def test_loss_index_check(corrupt: Callable[[LossIndex], None], message: str) -> None:
     index = LossIndex()
-    index.register(4, ("a", 0, 0))
-    index.register(9, ("a", 1, 1))
+    index.register_all([4, 9], [("a", 0, 0), ("a", 1, 1)])
     index.lost[("a", 0, 0)] = 4
     index.retire(4)
     _broken(lambda: index._check(2), lambda: corrupt(index), message)

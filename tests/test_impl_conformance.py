@@ -39,6 +39,8 @@ for _policy in ("baseline", "signal-rescan", "repair"):
     CONFIGS[f"loads-{_policy}"] = replace(BASE, num_gpu_blocks=12, num_cpu_blocks=16, policy=_policy)
 CONFIGS["loads-sliding-repair"] = replace(BASE, num_gpu_blocks=16, num_cpu_blocks=16, policy="repair",
                                           groups=(KVGroup(), KVGroup("sliding", 6)))
+for _name in [n for n in CONFIGS if n.startswith("loads-")]:  # the rest are async only (the default)
+    CONFIGS[f"{_name}-sync"] = replace(CONFIGS[_name], async_scheduling=False)
 CONFIGS["lazy-baseline"] = replace(BASE, lazy_offload=True, policy="baseline")
 CONFIGS["lazy-sliding-baseline"] = replace(BASE, lazy_offload=True, policy="baseline", num_gpu_blocks=32,
                                            groups=(KVGroup(), KVGroup("sliding", 6)))
@@ -132,9 +134,26 @@ def test_random_traces_agree(name: str) -> None:
 
 
 def test_payload_fidelity_is_exercised() -> None:
-    """Loads and stores complete in these traces, so the payload checks above compare data."""
-    stats = run_side_by_side(CONFIGS["loads-repair"], 7, 200)
-    assert stats["loaded_blocks"] > 0 and stats["stored_blocks"] > 0, stats
+    """Loads and stores complete in these traces, under either scheduling, so the payload checks
+    above compare data."""
+    for name in ("loads-repair", "loads-repair-sync"):
+        totals = {"loaded_blocks": 0, "stored_blocks": 0}
+        for seed in (7, 8, 9):
+            stats = run_side_by_side(CONFIGS[name], seed, 200)
+            for key in totals:
+                totals[key] += stats[key]
+        assert totals["loaded_blocks"] > 0 and totals["stored_blocks"] > 0, (name, totals)
+
+
+@pytest.mark.parametrize("name", ["full-repair", "sliding-repair"])
+def test_the_hash_id_copy_path_agrees(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The traces here are small, so the repair scan looks the few new positions' hash ids up one by
+    one; with the threshold at 0 the same traces go through the copied hash-id table instead."""
+    from kvspec.impl import request_table
+
+    monkeypatch.setattr(request_table, "FEW_SHORT", 0)
+    for seed in SEEDS:
+        run_side_by_side(CONFIGS[name], seed)
 
 
 def test_a_divergent_implementation_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

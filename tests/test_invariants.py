@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from scenario_kit import SYNC
 
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.drivers.engine import Engine
@@ -72,7 +73,7 @@ CONFIGS = {
 def good_run(policy: str, kind: str) -> Iterator[tuple[Engine, Snap]]:
     """(engine, snapshot) after every operation of a real run."""
     cfg = {"num_cpu_blocks": 40, "num_gpu_blocks": 24, "policy": policy, **CONFIGS[kind]}
-    e = Engine(make_scheduler(OffloadConfig(**cfg)))  # type: ignore[arg-type]
+    e = Engine(make_scheduler(OffloadConfig(**{**SYNC, **cfg})))  # type: ignore[arg-type]
     for op in _script(kind):
         if op["op"] == "drain":
             _drain(e, split=kind == "split")
@@ -83,7 +84,7 @@ def good_run(policy: str, kind: str) -> Iterator[tuple[Engine, Snap]]:
 
 def pressure_run() -> Iterator[Snap]:
     """repair under CPU pressure: T2, a competing request, re-stores, finishes."""
-    e = Engine(make_scheduler(OffloadConfig(num_cpu_blocks=7, policy="repair")))
+    e = Engine(make_scheduler(OffloadConfig(num_cpu_blocks=7, policy="repair", **SYNC)))
     ops: list[dict[str, Any]] = [
         {"op": "add", "rid": "r", "family": 1, "prompt_len": 97, "max_tokens": 6},
         {"op": "add", "rid": "q", "family": 2, "prompt_len": 49, "max_tokens": 4},

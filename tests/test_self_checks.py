@@ -2,6 +2,7 @@
 every step. Each check must fire on a corrupted structure."""
 
 import pytest
+from scenario_kit import SYNC
 
 from kvspec.contract.config import OffloadConfig
 from kvspec.drivers.engine import Engine
@@ -26,7 +27,7 @@ def test_pool_check_finds_ref_queue_mismatch():
 
 
 def test_scheduler_check_runs_the_local_catalogue():
-    sched = make_scheduler(OffloadConfig(policy="repair"))
+    sched = make_scheduler(OffloadConfig(policy="repair", **SYNC))
     eng = Engine(sched)
     eng.apply({"op": "add", "rid": "a", "family": 0, "prompt_len": 40})
     eng.apply({"op": "step", "admit": ["a"]})

@@ -12,6 +12,7 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scenario_kit import SYNC
 
 from kvspec.contract.config import OffloadConfig
 from kvspec.drivers.harness import Run, default_oracle, first_difference, make_state_machine, run_ops
@@ -73,9 +74,9 @@ def test_the_run_loop_compares_results_and_key_order() -> None:
     """With a reference, ``Run`` reports a divergence when only an operation's result differs, and
     ``first_difference`` tells snapshots apart by key order and by leaf type, as JSON text does."""
     ops = [{"op": "add", "rid": "a", "family": 1, "prompt_len": 40}, {"op": "step", "admit": ["a"]}]
-    out = run_ops(OffloadConfig(), ops, lambda cfg: _FlushFlipped(make_scheduler(cfg)), (), make_scheduler)
+    out = run_ops(OffloadConfig(**SYNC), ops, lambda cfg: _FlushFlipped(make_scheduler(cfg)), (), make_scheduler)
     assert out.divergence is not None and "results differ" in out.divergence, out.describe()
-    assert run_ops(OffloadConfig(), ops, make_scheduler, (), make_scheduler).kind is None
+    assert run_ops(OffloadConfig(**SYNC), ops, make_scheduler, (), make_scheduler).kind is None
     assert first_difference({"a": 1, "b": 2}, {"b": 2, "a": 1}) is not None
     assert first_difference({"a": [1]}, {"a": [True]}) is not None
     assert first_difference({"a": [1, None]}, {"a": [1, None]}) is None

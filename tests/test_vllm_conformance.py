@@ -5,8 +5,9 @@ The same random engine traces (``kvspec.drivers.tracegen.random_ops``) run on
 run loop (``kvspec.drivers.harness.Run``). After every operation both must agree on the
 outcome (result, or the ``KVSpecError`` class of a rejection) and on the whole snapshot, down
 to its JSON text (key order included): both pools, the scheduler state and the engine's view.
-Direct calls with bad input are the error contract's (``contract_kit.ErrorContract``, the
-same cases as for the model and the implementation). A failing trace is written in the trace
+Direct calls with bad input are the error contract's, run on vLLM by
+tests/test_vllm_verdicts.py (``contract_kit.ErrorContract``, the same cases as for the model and
+the implementation, observed in vLLM's own objects too). A failing trace is written in the trace
 format (``kvspec replay`` reads it) under ``KVSPEC_VLLM_TRACE_DIR`` (default: pytest's tmp dir).
 
 Tests that need vLLM carry the ``vllm`` marker and are skipped, with the reason, where
@@ -25,13 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from contract_kit import ErrorContract
 
 from kvspec.adapters.vllm import vllm_available
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.errors import ConfigError, KVSpecError
 from kvspec.drivers import trace as trace_io
-from kvspec.drivers.engine import Engine
 from kvspec.drivers.harness import Run, first_difference, run_ops
 from kvspec.drivers.trace import Trace
 from kvspec.drivers.tracegen import random_ops
@@ -347,61 +346,6 @@ def test_hand_driven_scenarios_agree_call_by_call(modname: str, name: str, kwarg
     monkeypatch.setattr(mod, "make", make)
     getattr(mod, name)(**kwargs)
     assert made and sum(s.calls for s in made) > 0
-
-
-# -- the error contract on vLLM (tests/contract_kit.py) ----------------------------------------------
-
-
-@pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
-class TestVllmErrorContract(ErrorContract):
-    """Every bad call of the contract refused by the adapter, in vLLM's state, as the model refuses it."""
-
-    factory = _vllm_factory
-    policy = "baseline"
-
-
-# -- where the model is stricter than vLLM ----------------------------------------------------------------
-
-_WINDOW_OF_ONE = [
-    {"op": "add", "rid": "A", "family": 0, "prompt_len": 9, "max_tokens": 1},
-    {"op": "step", "admit": ["A"], "chunk": 64},
-    {"op": "finish", "rid": "A"},
-    {"op": "step", "admit": []},
-    {"op": "report", "event": 0, "count": 1},
-    {"op": "add", "rid": "B", "family": 1, "prompt_len": 20, "max_tokens": 1},
-    {"op": "step", "admit": ["B"], "chunk": 64},
-    {"op": "finish", "rid": "B"},
-    {"op": "step", "admit": []},
-    {"op": "report", "event": 1, "count": 1},
-    {"op": "add", "rid": "C", "family": 0, "prompt_len": 9, "max_tokens": 1},
-    {"op": "step", "admit": ["C"]},
-]
-
-
-@pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
-def test_a_window_of_one_token_makes_vllm_load_into_the_null_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a 1-token sliding window the CPU hit keeps one block at a position the allocator
-    fills with the null block; vLLM registers a load into block 0, the model refuses it
-    (and so does the adapter, which applies the model's check first)."""
-    from kvspec.adapters.vllm import VllmTarget
-    from kvspec.contract.errors import InvalidOperationError
-
-    config = _cfg(block_size=4, num_gpu_blocks=12, num_cpu_blocks=16, groups=(KVGroup(), KVGroup("sliding", 1)))
-    for factory in (make_scheduler, _vllm_factory):
-        engine = Engine(factory(config))
-        for op in _WINDOW_OF_ONE[:-1]:
-            engine.apply(op)
-        with pytest.raises(InvalidOperationError, match="no allocated GPU block"):
-            engine.apply(_WINDOW_OF_ONE[-1])
-    monkeypatch.setattr(VllmTarget, "_check_load", lambda *args: None)
-    engine = Engine(_vllm_factory(config))
-    for op in _WINDOW_OF_ONE:
-        meta = engine.apply(op)
-    assert 0 in meta.load_gpu_blocks
-    pairs = dict(zip(meta.load_gpu_blocks, meta.load_cpu_blocks, strict=True))
-    assert engine.target.snapshot()["scheduler"]["reqs_to_load"]["C"]["gpu"][-1] == 0, pairs
 
 
 # -- the adapter itself ------------------------------------------------------------------------------

@@ -178,11 +178,12 @@ def test_a_model_deciding_an_open_detail_otherwise_diverges(options: SignalResca
     """The lockstep compares the flag and the rescan: a model that clears the flag on reset, skips
     Phase 1b after Phase 1a ran out of space, or rescans in the finish flush is caught against the
     patch on some trace."""
-    config = CONFIGS["full-ws1"]
-    for seed in range(40):
-        ops = policy_trace(config, seed)
-        if lockstep(config, ops, "vllm+pr47235", reference=_model_with(options)) is not None:
-            return
+    for asynchronous in (True, False):
+        config = replace(CONFIGS["full-ws1"], async_scheduling=asynchronous)
+        for seed in range(40):
+            ops = policy_trace(config, seed)
+            if lockstep(config, ops, "vllm+pr47235", reference=_model_with(options)) is not None:
+                return
     pytest.fail(f"no trace told the patch from a model with {options}")
 
 

@@ -7,10 +7,9 @@ operation and ``kvspec.drivers.divergence`` names the causes. These tests check 
 schedulers are built as vLLM builds them, that bad input is refused as the engine refuses it,
 that hand-written streams and random traces agree with the engine operation by operation, and
 that every saved divergence trace (tests/traces/vllm_scheduler/) is judged: one of the engine
-against vLLM's synchronous scheduler shows a difference the engine once had and must now agree
-throughout (a regression test); one of the engine against vLLM's asynchronous scheduler is an
-expected failure (strict: the engine models synchronous scheduling); one of vLLM's sync
-scheduler against its async one documents what async scheduling changes.
+against vLLM's synchronous or asynchronous scheduler shows a difference the engine once had and
+must now agree throughout (a regression test); one of vLLM's sync scheduler against its async one
+documents what async scheduling changes.
 
 Marked ``vllm`` and skipped, with the reason, where vLLM 0.33.0 cannot be imported;
 ``KVSPEC_REQUIRE_VLLM=1`` (set by scripts/ci-vllm-stage.sh) makes that an error.
@@ -36,8 +35,8 @@ pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")]
 
 TRACES = Path(__file__).parent / "traces" / "vllm_scheduler"
-ENGINE_MODES = ("engine", "engine-async")  # the engine against vLLM: sync (fixed) and async (not modelled)
-RANDOM_TRACES = int(os.environ.get("KVSPEC_VLLM_SCHEDULER_TRACES", "5"))  # per family, engine against sync vLLM
+ENGINE_MODES = ("engine", "engine-async")  # the engine against vLLM's sync and async schedulers
+RANDOM_TRACES = int(os.environ.get("KVSPEC_VLLM_SCHEDULER_TRACES", "5"))  # per family and engine mode
 ASYNC_TRACES = 5  # per family, vLLM sync against async
 
 
@@ -58,7 +57,10 @@ def finish(rid: str) -> dict[str, Any]:
 
 
 def _config(**kw: Any) -> OffloadConfig:
-    fields: dict[str, Any] = {"block_size": 4, "num_gpu_blocks": 10, "num_cpu_blocks": 12, "policy": "baseline"}
+    """The hand-written streams' configuration: synchronous scheduling unless ``kw`` says otherwise
+    (their comments tell what happens step by step under it)."""
+    fields: dict[str, Any] = {"block_size": 4, "num_gpu_blocks": 10, "num_cpu_blocks": 12, "policy": "baseline",
+                              "async_scheduling": False}
     return OffloadConfig(**{**fields, **kw})
 
 
@@ -168,12 +170,15 @@ STREAMS = {
 }
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("name", list(STREAMS))
-def test_hand_written_streams_agree_with_the_engine_after_every_operation(name: str) -> None:
+def test_hand_written_streams_agree_with_the_engine_after_every_operation(name: str, async_scheduling: bool) -> None:
+    from dataclasses import replace
+
     from kvspec.drivers.lockstep import run_lockstep
 
     config, ops = STREAMS[name]
-    d, compared = run_lockstep(config, ops)
+    d, compared = run_lockstep(replace(config, async_scheduling=async_scheduling), ops)
     assert d is None, d.describe() if d else ""
     assert compared == len(ops)
 
@@ -275,18 +280,47 @@ def test_async_scheduling_runs_one_batch_ahead() -> None:
 # -- random traces ----------------------------------------------------------------------------------
 
 
-def test_random_traces_agree_with_vllms_sync_scheduler() -> None:
+@pytest.mark.parametrize("mode", ENGINE_MODES)
+def test_random_traces_agree_with_vllms_scheduler(mode: str) -> None:
     """Random traces of every configuration family (budgets, preemption pressure, small CPU pools,
-    sliding-window CPU hits; 3 % invalid operations): the engine and vLLM's synchronous scheduler
-    agree after every operation of every trace."""
+    sliding-window CPU hits; 3 % invalid operations): the engine and vLLM's synchronous
+    (``engine``) or asynchronous (``engine-async``, vLLM's default) scheduler agree after every
+    operation of every trace."""
     from kvspec.drivers.divergence import FAMILIES, measure
 
     for family in FAMILIES:
-        tally = measure("engine", family, seed=1, count=RANDOM_TRACES, n_ops=120)
+        tally = measure(mode, family, seed=1, count=RANDOM_TRACES, n_ops=120)
         found = {k: e.divergence.describe() for k, e in tally.examples.items()}
-        assert tally.agreeing == tally.traces == RANDOM_TRACES, f"engine / {family}: {found}"
+        assert tally.agreeing == tally.traces == RANDOM_TRACES, f"{mode} / {family}: {found}"
         assert tally.ops == RANDOM_TRACES * 120
-    print(f"\n[vllm scheduler lockstep] engine: {RANDOM_TRACES} traces x 120 operations per family agree")
+    print(f"\n[vllm scheduler lockstep] {mode}: {RANDOM_TRACES} traces x 120 operations per family agree")
+
+
+def test_async_traces_reach_the_async_rules() -> None:
+    """The engine-async traces exercise what async scheduling adds, counted by the engine on the
+    traces the lockstep compares: blocks freed only after the batch in flight, output of a
+    preempted request appended on return, requests stopped at max_tokens in the processing step,
+    the running pass passing over a request whose placeholders reach max_tokens, and a preemption
+    refused because the victim's blocks are in flight."""
+    from dataclasses import replace
+
+    from kvspec.drivers.divergence import FAMILIES, traces
+    from kvspec.drivers.lockstep import EngineSide, apply_op
+
+    seen: dict[str, int] = {}
+    for family in FAMILIES:
+        for config, ops in traces(family, 1, RANDOM_TRACES, 120):
+            side = EngineSide(replace(config, async_scheduling=True))
+            for op in ops:
+                apply_op(side, op)
+            for name, n in side.engine.async_counts.items():
+                seen[name] = seen.get(name, 0) + n
+    assert set(seen) == set(ENGINE_ASYNC_RULES) and all(seen.values()), seen
+    print(f"\n[vllm scheduler lockstep] engine-async rules reached: {seen}")
+
+
+ENGINE_ASYNC_RULES = ("deferred free", "stale output appended", "stop at max_tokens", "placeholders reach max_tokens",
+                      "no preemption of a request in flight")
 
 
 def test_random_traces_of_async_scheduling_differ_for_known_causes() -> None:
@@ -315,9 +349,7 @@ def _saved() -> list[Any]:
     params = []
     for path in sorted(TRACES.glob("*.jsonl")):
         mode, klass = recorded_divergence(read(path))
-        marks = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"engine differs from vLLM: {klass}")] \
-            if mode == "engine-async" else []
-        params.append(pytest.param(path, mode, klass, id=path.stem, marks=marks))
+        params.append(pytest.param(path, mode, klass, id=path.stem))
     return params
 
 
@@ -334,10 +366,8 @@ def recorded_divergence_mode(path: Path) -> str:
 
 @pytest.mark.parametrize(("path", "mode", "klass"), _saved())
 def test_saved_trace_shows_its_divergence(path: Path, mode: str, klass: str) -> None:
-    """A trace of the engine against vLLM's sync scheduler, which once diverged with the recorded
-    class, now agrees throughout; one against vLLM's async scheduler fails (expected, strict)
-    with the recorded class at the recorded operation, and a divergence of another class is a
-    plain failure; one of vLLM sync against async shows its difference."""
+    """A trace of the engine against vLLM's sync or async scheduler, which once diverged with the
+    recorded class, now agrees throughout; one of vLLM sync against async shows its difference."""
     from kvspec.drivers.divergence import first_divergence
 
     trace = read(path)
@@ -345,10 +375,5 @@ def test_saved_trace_shows_its_divergence(path: Path, mode: str, klass: str) -> 
     if mode == "async":
         assert d is not None and d.klass == klass, d.describe() if d else "no divergence"
         return
-    if mode == "engine":
-        assert d is None, f"the engine differs from vLLM again ({klass}): {d.describe()}"
-        assert compared == len(trace.ops)
-        return
-    if d is not None and (d.klass != klass or d.op_index != len(trace.ops) - 1):
-        pytest.fail(f"diverges otherwise than recorded ({klass}): {d.describe()}")
-    assert d is None, f"engine differs from vLLM: {d.describe()}"
+    assert d is None, f"the engine differs from vLLM again ({klass}): {d.describe()}"
+    assert compared == len(trace.ops)

@@ -9,6 +9,7 @@ changes them together (``add``, ``complete``, ``clear``), so they cannot drift a
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -21,7 +22,7 @@ class InFlightKeys:
 
     def __init__(self, keys: KeyTable, device: torch.device) -> None:
         self._keys = keys
-        self._counts: dict[int, int] = {}
+        self._counts: Counter[int] = Counter()
         self._per_key = torch.zeros(0, dtype=torch.int64, device=device)
 
     def __bool__(self) -> bool:
@@ -54,9 +55,7 @@ class InFlightKeys:
         blocks only). O(len)."""
         if kids.numel() == 0:
             return
-        counts = self._counts
-        for k in kids.tolist():
-            counts[k] = counts.get(k, 0) + 1
+        self._counts.update(kids.tolist())
         self.per_key().index_put_((kids,), torch.ones_like(kids), accumulate=True)
 
     def complete(self, kids: torch.Tensor) -> None:

@@ -29,26 +29,23 @@ class LossIndex:
         self.window_floor: dict[tuple[str, int], int] = {}
         self.retired: OrderedDict[int, None] = OrderedDict()
 
-    def register(self, kid: int, pos: Position) -> None:
-        """Index ``pos`` under ``kid`` (a no-op when it is there); a new entry also lists the key
-        for the position's request. O(1)."""
-        own = self.owners.get(kid)
-        if own is None:
-            self.owners[kid] = {pos: None}
-        elif pos in own:
-            return
-        else:
-            own[pos] = None
-        mine = self.owned_keys.get(pos[0])
-        if mine is None:
-            self.owned_keys[pos[0]] = [kid]
-        else:
-            mine.append(kid)
-
     def register_all(self, kids: Iterable[int], positions: Iterable[Position]) -> None:
-        """``register`` for each pair, in order. O(len)."""
+        """Index each position under its key, in order (a no-op for a pair already there); a new
+        entry also lists the key for the position's request. O(len)."""
+        owners, owned_keys = self.owners, self.owned_keys
         for kid, pos in zip(kids, positions, strict=True):
-            self.register(kid, pos)
+            own = owners.get(kid)
+            if own is None:
+                owners[kid] = {pos: None}
+            elif pos in own:
+                continue
+            else:
+                own[pos] = None
+            mine = owned_keys.get(pos[0])
+            if mine is None:
+                owned_keys[pos[0]] = [kid]
+            else:
+                mine.append(kid)
 
     def live(self, kid: int, owns: Callable[[Position], bool]) -> bool:
         """Whether some position indexed under ``kid`` still ``owns`` it; the others are dropped.

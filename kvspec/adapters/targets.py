@@ -3,9 +3,10 @@
 A factory takes an ``OffloadConfig`` and returns an ``OffloadTarget``. Names:
 ``model`` (the executable specification, any policy), ``impl`` (the torch
 implementation), ``vllm`` (real vLLM 0.33.0 through its adapter; ``baseline`` only),
-and ``bug:<name>`` for each variant of the known-bug catalogue. Factories import
-their modules lazily, so kvspec works without torch-heavy or vLLM imports until a
-target is asked for.
+``vllm@VERSION`` (another release), ``raw:vllm`` and ``raw:vllm@VERSION`` (the same with the
+model's rules left to vLLM, ``kvspec.adapters.vllm``), and ``bug:<name>`` for each variant
+of the known-bug catalogue. Factories import their modules lazily, so kvspec works
+without torch-heavy or vLLM imports until a target is asked for.
 """
 
 from __future__ import annotations
@@ -25,7 +26,18 @@ _FACTORIES: dict[str, str] = {
     "vllm": "kvspec.adapters.vllm:make_vllm_target",
     "vllm+pr47235": "kvspec.adapters.vllm_patched:make_vllm_pr47235_target",
     "vllm+repair": "kvspec.adapters.vllm_patched:make_vllm_repair_target",
+    "raw:vllm": "kvspec.adapters.vllm:make_raw_vllm_target",
 }
+RAW_PREFIX = "raw:"  # raw:vllm, raw:vllm@VERSION: real vLLM with the model's rules left to vLLM
+
+
+def raw_target(name: str) -> str:
+    """The raw form of a real-vLLM target name (``vllm`` or ``vllm@VERSION``); ``ConfigError`` for
+    any other target (only real vLLM has code of its own to judge on the calls the model refuses)."""
+    base = name.removeprefix(RAW_PREFIX)
+    if base != "vllm" and not base.startswith("vllm@"):
+        raise ConfigError(f"--raw needs a real vLLM target (vllm or vllm@VERSION), not {name!r}")
+    return RAW_PREFIX + base
 
 
 def target_names() -> list[str]:
@@ -43,10 +55,11 @@ def get_factory(name: str) -> TargetFactory:
         if bug not in BUGS:
             raise ConfigError(f"unknown bug variant {bug!r}; known: {', '.join(BUGS)}")
         return lambda cfg: make_bug_target(bug, cfg)
-    if name.startswith("vllm@"):  # vllm@VERSION: one real release (kvspec.adapters.vllm_compat)
+    raw = name.startswith(RAW_PREFIX + "vllm@")
+    if name.startswith("vllm@") or raw:  # [raw:]vllm@VERSION: one real release (kvspec.adapters.vllm_compat)
         from kvspec.adapters.vllm import release_factory
 
-        return release_factory(name[5:])
+        return release_factory(name.partition("@")[2], raw)
     spec = _FACTORIES.get(name)
     if spec is None:
         raise ConfigError(f"unknown target {name!r}; known: {', '.join(target_names())}")

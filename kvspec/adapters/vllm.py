@@ -18,7 +18,13 @@ drive the model:
   vLLM sees exactly kvspec's chained hashes. Before every call the mirrors that vLLM
   can read are synchronised (tokens, computed tokens, output placeholders).
 * **Inputs** are checked with the model's own rules before anything reaches vLLM,
-  so a bad call raises the same ``KVSpecError`` subclass and changes nothing.
+  so a bad call raises the same ``KVSpecError`` subclass and changes nothing: every check,
+  including those of the request views vLLM will read during the call, runs before the first
+  vLLM object (or mirror) is touched. ``raw=True`` (targets ``raw:vllm``, ``raw:vllm@VERSION``)
+  keeps only the checks without which vLLM's arguments cannot be built (types, shapes, block
+  ids that name a block); the model's rules (a load's acceptance and destinations, a store's
+  keys, the worker reports' events and counts, count ranges, the null block, double frees,
+  second keys) are left to vLLM, and what it does is judged by the invariants.
 * **snapshot()** reads vLLM's objects back into the model's canonical format.
 
 ``baseline_oracle`` is what vLLM 0.33.0 claims plus completeness C1: with it as the only
@@ -45,6 +51,7 @@ from kvspec.contract.checks import (
     check_block_key,
     check_cached_block_query,
     check_count,
+    check_count_type,
     check_free_counts,
     check_id_list,
     check_key_change,
@@ -55,6 +62,7 @@ from kvspec.contract.checks import (
     check_scheduler_output,
     check_store_keys,
     check_worker_output,
+    name_of,
 )
 from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import ConfigError, InvalidOperationError
@@ -171,6 +179,7 @@ def pool_snapshot(pool: Any) -> dict[str, Any]:
         (None if b.block_hash is None else _key_text(b.block_hash) for b in pool.blocks),
         (b.block_id for b in compat.free_blocks_in(pool.free_block_queue)),
         _cached_map(pool),
+        pool.free_block_queue.num_free_blocks,
     )
     if getattr(pool, "cached_block_hashes_by_block", None):  # secondary keys: not in every release
         snap["secondary"] = {
@@ -187,12 +196,19 @@ class VllmPool:
     in range, never the null block, no free below ref count 0, no allocation beyond the free
     count, keys and group ids of the right shape), so a refused call raises what the model
     raises and changes nothing. ``num_groups`` bounds the group ids of keys (None: unbounded).
+
+    ``raw``: only what is needed to name vLLM's objects is checked (ids that are blocks of the
+    pool, counts and keys of the right type); the model's rules are not, so a negative count, the
+    null block, a double free or a second key reach vLLM, and what it does is for the oracle to
+    judge. What vLLM hands back is checked in both modes: blocks of its own pool, never the null
+    block (``VllmBrokeContract`` otherwise, a crash of vLLM, not a refusal).
     """
 
-    def __init__(self, pool: Any, name: str = "gpu", num_groups: int | None = None) -> None:
+    def __init__(self, pool: Any, name: str = "gpu", num_groups: int | None = None, raw: bool = False) -> None:
         self.pool = pool
         self.name = name
         self.num_groups = num_groups
+        self.raw = raw
         self.num_blocks: int = pool.num_gpu_blocks
         self.ref_cnt = _BlockView(pool.blocks, lambda b: b.ref_cnt)
         self.block_hash = _BlockView(pool.blocks, lambda b: key_from_bytes(b.block_hash))
@@ -202,8 +218,11 @@ class VllmPool:
         return int(self.pool.get_num_free_blocks())
 
     def get_new_blocks(self, n: int) -> list[int]:
-        check_new_block_count(n, self.get_num_free_blocks(), self.name)
-        return [b.block_id for b in self.pool.get_new_blocks(n)]
+        if self.raw:
+            check_count_type(n, f"{self.name}: blocks to allocate")
+        else:
+            check_new_block_count(n, self.get_num_free_blocks(), self.name)
+        return handed_out(self.pool.get_new_blocks(n), self.num_blocks, self.name, n)
 
     def touch(self, block_ids: Iterable[int]) -> None:
         ids = self._validate(block_ids, "touch")
@@ -211,7 +230,8 @@ class VllmPool:
 
     def free_blocks(self, block_ids: Iterable[int]) -> None:
         ids = self._validate(block_ids, "free")
-        check_free_counts(ids, lambda b: self.pool.blocks[b].ref_cnt, self.name)
+        if not self.raw:
+            check_free_counts(ids, lambda b: self.pool.blocks[b].ref_cnt, self.name)
         self.pool.free_blocks([self.pool.blocks[b] for b in ids])
 
     def insert_block_hash(self, key: Key, block_id: int) -> None:
@@ -220,7 +240,7 @@ class VllmPool:
         self._validate([block_id], "register")
         block = self.pool.blocks[block_id]
         current = None if block.block_hash is None else _key_text(block.block_hash)
-        if check_key_change(self.name, block_id, current, f"{key[0]}:{key[1]}"):
+        if not self.raw and check_key_change(self.name, block_id, current, f"{key[0]}:{key[1]}"):
             return
         compat.insert_block_hash(self.pool, key_to_bytes(key), block)
 
@@ -246,7 +266,25 @@ class VllmPool:
         return pool_snapshot(self.pool)
 
     def _validate(self, block_ids: object, what: str, allow_null: bool = False) -> list[int]:
-        return check_id_list(block_ids, self.num_blocks, self.name, what, allow_null)
+        return check_id_list(block_ids, self.num_blocks, self.name, what, allow_null or self.raw)
+
+
+class VllmBrokeContract(RuntimeError):
+    """vLLM handed back something its own types exclude (a block that is not one of its pool's,
+    the null block as a new block). Not a ``KVSpecError``: the harness reports it as a crash of
+    vLLM, never as a refusal of kvspec's input."""
+
+
+def handed_out(blocks: list[Any], num_blocks: int, pool: str, asked: int) -> list[int]:
+    """The ids of the blocks vLLM's ``get_new_blocks(asked)`` returned, each a block of the pool
+    other than the null block; else ``VllmBrokeContract`` (what vLLM did is kept: it is the
+    finding). O(blocks)."""
+    ids = [b.block_id for b in blocks]
+    bad = [b for b in ids if not 0 < b < num_blocks]
+    if bad:
+        raise VllmBrokeContract(f"{pool}: vLLM's get_new_blocks({asked}) handed out block id {bad[0]}, "
+                                f"not an allocatable block of the pool (1..{num_blocks - 1})")
+    return ids
 
 
 VllmGpuPool = VllmPool
@@ -278,9 +316,10 @@ class VllmTarget:
 
     policy_name = "baseline"
 
-    def __init__(self, config: OffloadConfig, vllm: SimpleNamespace) -> None:
+    def __init__(self, config: OffloadConfig, vllm: SimpleNamespace, raw: bool = False) -> None:
         self.config = config
         self._v = vllm
+        self.raw = raw
         self.num_groups = config.num_groups
         self.block_size = config.block_size
         self.release: compat.Release = getattr(vllm, "release", compat.Release(VLLM_VERSION))
@@ -295,8 +334,8 @@ class VllmTarget:
         compat.fill_absent_state(self.manager)
         gpu = vllm.BlockPool(config.num_gpu_blocks, enable_caching=True, hash_block_size=config.block_size)
         self.manager.bind_gpu_block_pool(gpu)
-        self.gpu_pool = VllmPool(gpu, "gpu", config.num_groups)
-        self.cpu_pool = VllmPool(self.manager.cpu_block_pool, "cpu", config.num_groups)
+        self.gpu_pool = VllmPool(gpu, "gpu", config.num_groups, raw)
+        self.cpu_pool = VllmPool(self.manager.cpu_block_pool, "cpu", config.num_groups, raw)
         self._mirrors: dict[str, _Mirror] = {}
 
     @staticmethod
@@ -320,8 +359,42 @@ class VllmTarget:
 
     # -- request mirrors ---------------------------------------------------------------------
 
+    def _prepare(self, request: RequestView | None, what: str) -> Any:
+        """Before a manager call: check every view vLLM may read during it (``request``'s and the
+        live requests'), then mirror ``request`` and synchronise them all. A view that cannot be
+        mirrored is refused before any vLLM object or mirror changes. The vLLM request of
+        ``request`` (None without one). O(views + new tokens)."""
+        if request is not None:
+            check_request(request, what)
+            self._check_view(request, what)
+        for rid in self._live():
+            if rid in self._mirrors:
+                self._check_view(self._mirrors[rid].view, what)
+        req = None if request is None else self._mirror(request)
+        self._sync_known()
+        return req
+
+    def _check_view(self, view: RequestView, what: str) -> None:
+        """``view`` (a full request view) can be mirrored: no fewer tokens than vLLM already saw,
+        and every hash vLLM has not read yet hex text. ``KVSpecError``; changes nothing. O(new
+        hashes)."""
+        m = self._mirrors.get(view.request_id)
+        seen_tokens = 0 if m is None else m.request.num_tokens
+        if view.num_tokens < seen_tokens:
+            raise InvalidOperationError(
+                f"{what}: {name_of(view.request_id)}: {view.num_tokens} tokens, fewer than the {seen_tokens} "
+                "vLLM already saw")
+        for h in view.block_hashes[0 if m is None else len(m.request.block_hashes):]:
+            hash_to_bytes(h)
+
+    def _live(self) -> set[str]:
+        """Requests whose state vLLM can read during a manager call."""
+        mgr = self.manager
+        return set(mgr._reqs_to_store) | set(mgr._reqs_to_load) | set(mgr._abandoned_reqs_to_load)
+
     def _mirror(self, view: RequestView) -> Any:
-        """The vLLM request for ``view`` (created on first sight), synchronised."""
+        """The vLLM request for ``view`` (created on first sight), synchronised (``view`` checked
+        by ``_check_view``)."""
         rid = view.request_id
         m = self._mirrors.get(rid)
         if m is None:
@@ -343,10 +416,6 @@ class VllmTarget:
     def _sync(self, m: _Mirror) -> None:
         view, req = m.view, m.request
         n = view.num_tokens
-        if n < req.num_tokens:
-            raise InvalidOperationError(
-                f"{view.request_id}: {n} tokens, fewer than the {req.num_tokens} vLLM already saw"
-            )
         if n > req.num_tokens:
             tokens = _tokens_of(view)
             req.append_output_token_ids(tokens[req.num_tokens:] if tokens is not None else [0] * (n - req.num_tokens))
@@ -357,9 +426,7 @@ class VllmTarget:
 
     def _sync_known(self) -> None:
         """Synchronise every request whose state vLLM can read during the next call."""
-        mgr = self.manager
-        live = set(mgr._reqs_to_store) | set(mgr._reqs_to_load) | set(mgr._abandoned_reqs_to_load)
-        for rid in live:
+        for rid in self._live():
             m = self._mirrors.get(rid)
             if m is not None:
                 self._sync(m)
@@ -368,11 +435,8 @@ class VllmTarget:
 
     def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
         check_request(request, "get_num_new_matched_tokens")
-        check_count(num_computed_tokens, "num_computed_tokens", request.num_tokens)
-        for h in request.block_hashes:
-            hash_to_bytes(h)
-        req = self._mirror(request)
-        self._sync_known()
+        self._count(num_computed_tokens, "num_computed_tokens", request.num_tokens)
+        req = self._prepare(request, "get_num_new_matched_tokens")
         self._lookup_local[request.request_id] = num_computed_tokens
         n, is_async = self.manager.get_num_new_matched_tokens(req, num_computed_tokens)
         return int(n or 0), bool(is_async)
@@ -382,14 +446,20 @@ class VllmTarget:
         rid = check_request(request, "update_state_after_alloc")
         ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "update_state_after_alloc",
                               none_groups=False)
-        check_count(num_external_tokens, "num_external_tokens", request.num_tokens)
+        self._count(num_external_tokens, "num_external_tokens", request.num_tokens)
         pending = self.manager._pending_cpu_hits.get(rid)
-        if num_external_tokens > 0 and pending is not None:
+        if num_external_tokens > 0 and pending is not None and not self.raw:
             self._check_load(rid, ids, pending, num_external_tokens)
-        req = self._mirror(request)
-        self._sync_known()
+        req = self._prepare(request, "update_state_after_alloc")
         blocks = self._v.KVCacheBlocks(tuple([self.gpu_pool.pool.blocks[b] for b in g or ()] for g in ids))
         self.manager.update_state_after_alloc(req, blocks, num_external_tokens)
+
+    def _count(self, value: object, what: str, upper: int) -> None:
+        """A count argument: non-negative and at most ``upper`` (raw: any int)."""
+        if self.raw:
+            check_count_type(value, what)
+        else:
+            check_count(value, what, upper)
 
     def _check_load(self, rid: str, ids: BlockIds, pending: Any, ext: int) -> None:
         """The model's rules for accepting ``ext`` tokens of the pinned hit ``pending``
@@ -408,7 +478,7 @@ class VllmTarget:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
         out = scheduler_output
         check_scheduler_output(out, self.num_groups, self.gpu_pool.num_blocks)
-        self._sync_known()
+        self._prepare(None, "build_connector_meta")
         meta = self.manager.build_connector_meta(self._scheduler_output(out))
         return ConnectorMetadata(
             load_event=meta.load_event,
@@ -466,12 +536,13 @@ class VllmTarget:
             st = mgr._reqs_to_load.get(rid) or mgr._abandoned_reqs_to_load.get(rid)
             return None if st is None else st.load_event is not None
 
-        check_worker_output(connector_output, load_sent, mgr._store_event_counter, self.config.world_size)
-        for e in connector_output.completed_store_events:
+        check_worker_output(connector_output, load_sent, mgr._store_event_counter, self.config.world_size,
+                            rules=not self.raw)
+        for e in () if self.raw else connector_output.completed_store_events:
             t = mgr._store_event_to_blocks.get(e)
             check_store_keys(e, t.gpu_block_ids if t is not None else (),
                              lambda g: self.gpu_pool.pool.blocks[g].block_hash)
-        self._sync_known()
+        self._prepare(None, "update_connector_output")
         mgr.update_connector_output(self._v.KVConnectorOutput(
             finished_recving=set(connector_output.finished_recving),
             kv_connector_worker_meta=self._v.SimpleCPUOffloadWorkerMetadata(
@@ -484,8 +555,7 @@ class VllmTarget:
         check_request(request, "request_finished")
         ids = check_block_ids(block_ids, self.num_groups, self.gpu_pool.num_blocks, "request_finished",
                               none_groups=False)
-        req = self._mirror(request)
-        self._sync_known()
+        req = self._prepare(request, "request_finished")
         done, params = self.manager.request_finished_all_groups(req, tuple(list(g or []) for g in ids))
         assert params is None
         return bool(done), None
@@ -493,8 +563,7 @@ class VllmTarget:
     def request_finished(self, request: RequestView) -> tuple[bool, None]:
         """vLLM's single-list ``request_finished`` (no flush); the scheduler never calls it."""
         check_request(request, "request_finished", full=False)
-        req = self._mirror(request)
-        self._sync_known()
+        req = self._prepare(request, "request_finished")
         done, params = self.manager.request_finished(req, [])
         assert params is None
         return bool(done), None
@@ -618,8 +687,9 @@ def vllm_available() -> tuple[bool, str]:
     return True, ""
 
 
-def make_vllm_target(config: OffloadConfig) -> VllmTarget:
-    """Real vLLM 0.33.0 (``baseline`` only) as an ``OffloadTarget`` for ``config``."""
+def make_vllm_target(config: OffloadConfig, raw: bool = False) -> VllmTarget:
+    """Real vLLM 0.33.0 (``baseline`` only) as an ``OffloadTarget`` for ``config``; ``raw``: the
+    model's rules left to vLLM (``VllmTarget``)."""
     config.validate()
     if config.policy != "baseline":
         raise ConfigError(
@@ -627,7 +697,12 @@ def make_vllm_target(config: OffloadConfig) -> VllmTarget:
         )
     vllm = _import_vllm()
     _refuse_patched("vllm")
-    return VllmTarget(config, vllm)
+    return VllmTarget(config, vllm, raw)
+
+
+def make_raw_vllm_target(config: OffloadConfig) -> VllmTarget:
+    """Target ``raw:vllm``: vLLM 0.33.0 with the model's rules left to vLLM."""
+    return make_vllm_target(config, raw=True)
 
 
 def _refuse_patched(target: str) -> None:
@@ -642,9 +717,9 @@ def _refuse_patched(target: str) -> None:
                           f"{patch!r}; use the 'vllm+{patch}' target here, or run kvspec from .vllm-venv")
 
 
-def release_factory(version: str) -> Callable[[OffloadConfig], VllmTarget]:
-    """The factory of target ``vllm@VERSION``. Building a target in a process whose vLLM is another release is a
-    ``ConfigError`` naming the venv to use."""
+def release_factory(version: str, raw: bool = False) -> Callable[[OffloadConfig], VllmTarget]:
+    """The factory of target ``vllm@VERSION`` (``raw:vllm@VERSION`` with ``raw``). Building a target in a process
+    whose vLLM is another release is a ``ConfigError`` naming the venv to use."""
     compat.parse_release(version)
 
     def make(config: OffloadConfig) -> VllmTarget:
@@ -653,7 +728,7 @@ def release_factory(version: str) -> Callable[[OffloadConfig], VllmTarget]:
             raise ConfigError(f"vLLM {version} implements only the 'baseline' policy, not {config.policy!r}")
         vllm = _import_vllm(version)
         _refuse_patched(f"vllm@{version}")
-        return VllmTarget(config, vllm)
+        return VllmTarget(config, vllm, raw)
 
     return make
 

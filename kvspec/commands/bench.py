@@ -16,9 +16,13 @@ so that only the offload manager's own work is timed):
 Per (workload, scale, target) it reports the median over runs (fresh target each run)
 of the median per-step time of ``build_connector_meta`` (plan) and
 ``update_connector_output`` (complete, the previous step's store event reported
-done), and bookkeeping memory per block. ``impl`` and ``model`` run in the same
-process, interleaved, so their ratio is like for like. Timings are measurements, not
-assertions. Progress goes to stderr; ``--json`` prints one object per line.
+done), and bookkeeping memory per block. The targets run in the same process,
+interleaved run by run, and each ratio is the median over runs of that run's ratio
+(paired, so both sides of a ratio saw the same machine load). For ``vllm`` only vLLM's
+own calls are timed (``OwnClock``): the adapter's input checks and its mirroring of
+requests and scheduler outputs into vLLM objects run outside the timed region. Timings
+are measurements, not assertions. Progress goes to stderr; ``--json`` prints one JSON
+document (``{"policy", "targets", "rows"}``) at the end.
 
 A payload micro-benchmark (``--payload``) compares the implementation's batched block
 copy with one plain ``copy_`` of the same bytes.
@@ -53,11 +57,19 @@ TARGETS = ("impl", "model", "vllm")
 MAX_THREADS = 1024
 
 
+def _grid_text(grid: list[tuple[int, int, int]]) -> str:
+    return " ".join(f"{r},{b},{c}" for r, b, c in grid)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="one JSON object per (workload, scale, target)")
-    p.add_argument("--quick", action="store_true", help="small grid, for CI and verify")
-    p.add_argument("--workload", action="append", choices=WORKLOADS, help="only this workload (repeatable)")
-    p.add_argument("--policy", default="baseline", choices=["baseline", "signal-rescan", "repair"])
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON document at the end: {policy, targets, rows} (default: a text table)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"small grid ({_grid_text(QUICK_GRID)}) and at most 4 steps, for CI and verify (default off)")
+    p.add_argument("--workload", action="append", choices=WORKLOADS,
+                   help=f"only this workload (repeatable; default: {', '.join(WORKLOADS)})")
+    p.add_argument("--policy", default="baseline", choices=["baseline", "signal-rescan", "repair"],
+                   help="the re-store policy of impl and model (default baseline; vllm has only baseline)")
     p.add_argument("--target", action="append", default=None,
                    help="impl, model or vllm (repeatable; default: impl and model)")
     p.add_argument("--runs", type=int, default=5,
@@ -65,8 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=8, help="measured steps per run, >= 1 (default 8)")
     p.add_argument("--scale", action="append", default=None, metavar="R,BPR,CPU",
                    help="only this scale: requests >= 1, blocks per request >= 1, CPU blocks >= 2, "
-                        "e.g. 1024,64,100000 (repeatable)")
-    p.add_argument("--payload", action="store_true", help="also run the payload copy micro-benchmark")
+                        f"e.g. 1024,64,100000 (repeatable; default chat and decode: {_grid_text(GRID)}; "
+                        f"storm: {_grid_text(STORM_GRID)})")
+    p.add_argument("--payload", action="store_true",
+                   help="also run the payload copy micro-benchmark (default off)")
     p.add_argument("--device", default="cpu",
                    help="device for the implementation: cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--threads", type=int, default=1, help=f"torch intra-op threads, 1..{MAX_THREADS} (default 1)")
@@ -118,11 +132,45 @@ def _hex(tag: int, i: int) -> str:
     return f"{tag:08x}{i:08x}"
 
 
+class OwnClock:
+    """The time a step's call spent in the target's own code. For vLLM's adapter (a target with
+    a ``manager``: vLLM's ``SimpleCPUOffloadScheduler``) that is the time inside vLLM's
+    ``build_connector_meta`` and ``update_connector_output`` (the pool operations they make
+    included), measured by wrapping the manager's two methods; the adapter's checks and its
+    mirroring of requests and outputs into vLLM objects are left out. For any other target,
+    the whole call."""
+
+    def __init__(self, target: Any) -> None:
+        self.inner: float | None = None
+        manager = getattr(target, "manager", None)
+        if manager is not None:
+            for name in ("build_connector_meta", "update_connector_output"):
+                setattr(manager, name, self._timed(getattr(manager, name)))
+
+    def _timed(self, call: Any) -> Any:
+        def timed(arg: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return call(arg)
+            finally:
+                self.inner = (self.inner or 0.0) + time.perf_counter() - t0
+        return timed
+
+    def measure(self, call: Any, arg: Any) -> tuple[Any, float]:
+        """``call(arg)`` and the seconds it spent in the target's own code."""
+        self.inner = None
+        t0 = time.perf_counter()
+        got = call(arg)
+        outer = time.perf_counter() - t0
+        return got, outer if self.inner is None else self.inner
+
+
 class Driver:
     """Builds a workload's requests, then runs steps and times the two manager calls."""
 
     def __init__(self, target: Any, workload: str, scale: Scale) -> None:
         self.t = target
+        self.clock = OwnClock(target)
         self.w = workload
         self.s = scale
         self.B = target.config.block_size
@@ -213,9 +261,7 @@ class Driver:
                     new_ids.append(None)
                     sched[r.request_id] = B
         out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(ids, new_ids), num_scheduled_tokens=sched)
-        t0 = time.perf_counter()
-        meta = self.t.build_connector_meta(out)
-        t1 = time.perf_counter()
+        meta, plan = self.clock.measure(self.t.build_connector_meta, out)
         for r in self.reqs:
             n = sched.get(r.request_id, 0)
             r.num_computed_tokens = min(r.total, r.num_computed_tokens + n)
@@ -230,12 +276,10 @@ class Driver:
         done = {}
         if self.last_event >= 0:
             done = {self.last_event: self.t.config.world_size}
-        t2 = time.perf_counter()
-        self.t.update_connector_output(KVConnectorOutput(completed_store_events=done))
-        t3 = time.perf_counter()
+        _, complete = self.clock.measure(self.t.update_connector_output, KVConnectorOutput(completed_store_events=done))
         self.last_event = meta.store_event
         self.step_no += 1
-        return t1 - t0, t3 - t2
+        return plan, complete
 
 
 def _config(workload: str, scale: Scale, policy: str) -> OffloadConfig:
@@ -306,13 +350,19 @@ def measure(workload: str, scale: Scale, targets: list[str], policy: str, runs: 
             "complete_ms_median": 1e3 * statistics.median(completes[name]),
             "bytes_per_block": round(_bookkeeping_bytes(name, factories[name], cfg, workload, scale), 1),
         })
-    ref = next((r for r in rows if r["target"] == "model"), None)
     for r in rows:
-        if ref is not None and r is not ref:
-            r["plan_ratio_vs_model"] = r["plan_ms_median"] / ref["plan_ms_median"] if ref["plan_ms_median"] else None
-            r["complete_ratio_vs_model"] = (r["complete_ms_median"] / ref["complete_ms_median"]
-                                            if ref["complete_ms_median"] else None)
+        for ref in ("model", "vllm"):
+            if ref in targets and r["target"] != ref:
+                r[f"plan_ratio_vs_{ref}"] = _paired_ratio(plans[r["target"]], plans[ref])
+                r[f"complete_ratio_vs_{ref}"] = _paired_ratio(completes[r["target"]], completes[ref])
     return rows
+
+
+def _paired_ratio(mine: list[float], ref: list[float]) -> float | None:
+    """Median over runs of this run's time / the reference's time in the same run (None if 0)."""
+    if any(b == 0 for b in ref):
+        return None
+    return statistics.median(a / b for a, b in zip(mine, ref, strict=True))
 
 
 def payload_bench(device: str, runs: int) -> list[dict[str, Any]]:
@@ -463,31 +513,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"[bench {time.monotonic() - started:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     rows: list[dict[str, Any]] = []
+    if not args.json:
+        print(f"policy {args.policy}; targets {', '.join(p.targets)}; median of {p.runs} runs of {p.steps} steps"
+              f"{'; vllm: only its own calls timed' if 'vllm' in p.targets else ''}", flush=True)
     for workload in p.workloads:
         for r, bpr, cpu in p.points[workload]:
             for row in measure(workload, Scale(r, bpr, cpu), p.targets, args.policy, p.runs, p.steps, p.device,
                                progress):
                 rows.append(row)
-                _emit(row, args.json)
+                if not args.json:
+                    _print_row(row)
     if args.payload:
         progress("payload copy")
         for row in payload_bench(p.device, p.runs):
             rows.append(row)
-            _emit(row, args.json)
+            if not args.json:
+                _print_row(row)
+    if args.json:
+        print(json.dumps({"policy": args.policy, "targets": p.targets, "runs": p.runs, "steps": p.steps,
+                          "rows": rows}))
     return 0
 
 
-def _emit(row: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(row), flush=True)
-        return
+def _print_row(row: dict[str, Any]) -> None:
     if row["workload"] == "payload-copy":
         print(f"payload copy ({row['device']}, {row['block_bytes'] >> 10} KiB blocks): plain "
               f"{row['plain_gbps']:.2f} GB/s, batched "
               f"{row['batched_gbps']:.2f} GB/s, ratio {row['throughput_ratio']:.2f}", flush=True)
         return
-    ratio = row.get("plan_ratio_vs_model")
-    extra = f"  plan x{1 / ratio:.1f} faster than model" if ratio else ""
-    print(f"{row['workload']:6} R={row['requests']:5} BPR={row['blocks_per_request']:4} CPU={row['cpu_blocks']:8} "
-          f"{row['target']:5} plan {row['plan_ms_median']:8.3f} ms  complete {row['complete_ms_median']:8.3f} ms  "
-          f"{row['bytes_per_block']:7.1f} B/block{extra}", flush=True)
+    extra = "".join(f"  plan x{1 / row[f'plan_ratio_vs_{ref}']:.1f} faster than {ref}" for ref in ("model", "vllm")
+                    if row.get(f"plan_ratio_vs_{ref}"))
+    print(f"{row['policy']:13} {row['workload']:6} R={row['requests']:5} BPR={row['blocks_per_request']:4} "
+          f"CPU={row['cpu_blocks']:8} {row['target']:5} plan {row['plan_ms_median']:8.3f} ms  "
+          f"complete {row['complete_ms_median']:8.3f} ms  {row['bytes_per_block']:7.1f} B/block{extra}", flush=True)

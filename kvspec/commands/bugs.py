@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from kvspec.adapters.targets import TargetFactory
-from kvspec.commands.fuzz import budget_seconds
+from kvspec.commands.fuzz import add_ray_argument, budget_seconds
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
+from kvspec.drivers.campaign import check_ray, check_workers, map_jobs
 from kvspec.drivers.harness import VIOLATION, check_writable, finding_name, fuzz, save_trace
 from kvspec.drivers.trace import Trace
 from kvspec.model.bugs import BUGS, make_bug_target
@@ -33,41 +34,70 @@ EPILOG = "exit codes: 0 all found, 1 some not found, 2 bad input or usage, 3 int
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.add_argument("--budget", type=budget_seconds, default=20.0, help="seconds per bug (default 20)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--only", default=None, help="comma-separated bug names")
-    p.add_argument("--out", default=None, help="directory for the shrunk traces")
+    p.add_argument("--seed", type=int, default=1, help="seed of every hunt (default 1)")
+    p.add_argument("--only", default=None, help="comma-separated bug names (default: every known bug)")
+    p.add_argument("--out", default=None, help="directory for the shrunk traces (default: none written)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes hunting different bugs at once; the rows do not depend on it (default 1)")
+    add_ray_argument(p)
     p.add_argument("--json", action="store_true", help="print a JSON list")
 
 
+@dataclass
+class Hunt:
+    """One bug's hunt: its row, the shrunk finding, and whether Ctrl-C cut it short."""
+
+    row: dict[str, Any]
+    trace: Trace | None
+    interrupted: bool
+
+
+def hunt_one(budget: float, seed: int, quiet: bool, name: str) -> Hunt:
+    """Fuzz bug ``name`` for ``budget`` seconds (a campaign job: picklable, prints only progress)."""
+    bug = BUGS[name]
+    if not quiet:
+        print(f"  hunting {name} ...", file=sys.stderr)
+    res = fuzz(partial(make_bug_target, name), bug.policy, budget, seed, target_name=f"bug:{name}", bug=name)
+    kind = res.kind
+    o = res.outcome
+    row = {"bug": name, "source": bug.source, "found": kind == VIOLATION, "kind": kind,
+           "oracle": res.oracle, "seconds": round(res.seconds, 3),
+           "invariant": o.violation.id if o is not None and o.violation is not None else None,
+           "exception": o.exception if o is not None else None,
+           "op_index": o.op_index if o is not None and kind else None,
+           "trace_ops": len(res.trace.ops) if res.trace else None}
+    return Hunt(row, res.trace, res.interrupted)
+
+
+def _save(name: str, trace: Trace, out: str) -> None:
+    """The shrunk trace (``<bug>.jsonl`` for a violation) and its finding page, under ``out``."""
+    policy = BUGS[name].policy
+    path = save_trace(trace, out, f"{name}.jsonl" if trace.finding and trace.finding["kind"] == VIOLATION
+                      else finding_name(f"bug:{name}", policy, "claims", trace))
+    page_for_trace(trace, path, partial(make_bug_target, name))
+
+
 def hunt(budget: float, seed: int, names: list[str] | None = None, out: str | None = None,
-         quiet: bool = False) -> tuple[list[dict[str, Any]], bool]:
-    """One row per bug; the flag is True when Ctrl-C stopped the hunt (rows so far returned)."""
+         quiet: bool = False, workers: int = 1, ray: str | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """One row per bug; the flag is True when Ctrl-C stopped the hunt (rows so far returned). One
+    worker hunts the bugs in turn and stops at Ctrl-C; more (or Ray) hunt them at once
+    (``kvspec.drivers.campaign.map_jobs``). Traces are written here, by the driver."""
+    names = names or list(BUGS)
+    job = partial(hunt_one, budget, seed, quiet)
+    if workers == 1 and ray is None:
+        hunts = []
+        for name in names:
+            hunts.append(map_jobs(job, [name], 1)[0])
+            if hunts[-1].interrupted:
+                break
+    else:
+        hunts = map_jobs(job, names, workers, ray)
     rows: list[dict[str, Any]] = []
-    for name in names or list(BUGS):
-        bug = BUGS[name]
-        if not quiet:
-            print(f"  hunting {name} ...", file=sys.stderr)
-
-        factory = partial(make_bug_target, name)
-
-        def keep(trace: Trace, stage: str, name: str = name, policy: str = bug.policy,
-                 factory: TargetFactory = factory) -> None:
-            if out is not None and stage == "shrunk":
-                path = save_trace(trace, out, f"{name}.jsonl" if trace.finding and trace.finding["kind"] == VIOLATION
-                                  else finding_name(f"bug:{name}", policy, "claims", trace))
-                page_for_trace(trace, path, factory)
-
-        res = fuzz(factory, bug.policy, budget, seed,
-                   target_name=f"bug:{name}", bug=name, on_finding=keep)
-        kind = res.kind
-        o = res.outcome
-        rows.append({"bug": name, "source": bug.source, "found": kind == VIOLATION, "kind": kind,
-                     "oracle": res.oracle, "seconds": round(res.seconds, 3),
-                     "invariant": o.violation.id if o is not None and o.violation is not None else None,
-                     "exception": o.exception if o is not None else None,
-                     "op_index": o.op_index if o is not None and kind else None,
-                     "trace_ops": len(res.trace.ops) if res.trace else None})
-        if res.interrupted:
+    for h in hunts:
+        if out is not None and h.trace is not None:
+            _save(h.row["bug"], h.trace, out)
+        rows.append(h.row)
+        if h.interrupted:
             return rows, True
     return rows, False
 
@@ -79,7 +109,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"unknown bug {n[:60]!r}; known: {', '.join(BUGS)}")
     if args.out is not None:
         check_writable(args.out)
-    rows, interrupted = hunt(args.budget, args.seed, names, args.out, quiet=args.json)
+    workers, ray = check_workers(args.workers), check_ray(args.ray)
+    rows, interrupted = hunt(args.budget, args.seed, names, args.out, args.json or workers > 1 or ray is not None,
+                             workers, ray)
     if args.json:
         print(json.dumps(rows))
     else:

@@ -3,7 +3,9 @@
 The oracle is what the policy claims unless ``--oracle`` says otherwise (``all``, or
 ids). A finding is a *violation* (an invariant of the oracle broke) or a *crash* (the
 target raised something other than a ``KVSpecError``); operations the target rejects
-cleanly are counted, not reported. The unshrunk trace is written as soon as the finding
+cleanly are counted, not reported. ``--raw`` (real vLLM targets only) fuzzes ``raw:vllm`` or
+``raw:vllm@VERSION``: calls the model would refuse reach vLLM, and what vLLM does with them is
+the oracle's to judge (an exception inside vLLM is a crash). The unshrunk trace is written as soon as the finding
 is made, the shrunk one when shrinking ends; file names carry target, policy, oracle
 and a content hash, so no run overwrites another's finding. Next to each trace is its finding
 page (the same name, ``.html``: ``kvspec.report.html``).
@@ -24,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvspec.adapters.targets import get_factory
+from kvspec.adapters.targets import RAW_PREFIX, get_factory, raw_target
 from kvspec.contract.config import POLICIES
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
-from kvspec.drivers.campaign import Distinct, check_workers, dedupe_key, run_workers, worker_seeds
-from kvspec.drivers.harness import FuzzResult, check_writable, finding_name, fuzz, save_trace
+from kvspec.drivers.campaign import Distinct, check_ray, check_workers, dedupe_key, run_workers, worker_seeds
+from kvspec.drivers.harness import FuzzResult, _slug, check_writable, finding_name, fuzz, save_trace
 from kvspec.drivers.trace import Trace
 from kvspec.oracle import oracles
 from kvspec.report.html import page_for_trace
@@ -60,14 +62,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1,
                    help="processes, each with its own seed for the whole budget; findings deduplicated "
                         "(same invariant, same shrunk trace up to renaming requests) (default 1)")
+    add_ray_argument(p)
     p.add_argument("--oracle", default=None, metavar="claims|all|ID,ID",
                    help="invariants that judge the run (default: claims, what the policy guarantees; "
                         "for bug:<name>, the catalogue's oracle of that variant)")
     p.add_argument("--refine", action="store_true",
                    help="also check refinement (R1) after every accepted operation: each request's step is one "
                         "the proofs' transitions (kvspec.specs.transitions) admit; a rejection is a finding")
-    p.add_argument("--out", default="fuzz-out", help="directory for finding traces (default fuzz-out)")
+    p.add_argument("--raw", action="store_true",
+                   help="real vLLM only: calls the model would refuse reach vLLM (target raw:vllm, raw:vllm@VERSION)")
+    p.add_argument("--out", default="fuzz-out",
+                   help="directory for finding traces and the campaign's state file (default fuzz-out)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on where the last campaign with the same target, policy, oracle, seed and workers "
+                        "stopped (each worker's generator state, kept in --out); default: start afresh")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_ray_argument(p: argparse.ArgumentParser) -> None:
+    """``--ray``, shared by the campaign commands."""
+    p.add_argument("--ray", default=None, metavar="ADDRESS|auto",
+                   help="run the workers as Ray tasks on the cluster at ADDRESS (HOST:PORT), or the one this "
+                        "machine belongs to (auto); results gathered here (needs kvspec[ray]; default: local "
+                        "processes)")
 
 
 @dataclass(frozen=True)
@@ -79,7 +96,8 @@ class Job:
     budget: float
     oracle: str | None
     out: str
-    quiet: bool  # no progress or "finding written" lines (--json, or more than one worker)
+    quiet: bool  # no progress or "finding written" lines (--json, more than one worker, or Ray)
+    resume: dict[int, list[Any]] = field(default_factory=dict)  # seed -> generator state to go on from
     refine: bool = False  # the refinement check (R1) after every accepted operation
 
 
@@ -97,24 +115,41 @@ def fuzz_one(job: Job, seed: int) -> WorkerResult:
     done = WorkerResult(seed, FuzzResult(False, 0.0, 0, 0))
 
     def keep(trace: Trace, stage: str) -> None:
-        name = finding_name(job.target, job.policy, _oracle_label(job.oracle), trace, stage)
-        done.saved[stage] = save_trace(trace, job.out, name)
-        page = page_for_trace(trace, done.saved[stage], factory)
-        if not job.quiet:
-            print(f"\n{stage} finding written: {done.saved[stage]} (page: {page})", file=sys.stderr)
+        done.saved[stage] = save_finding(job, factory, trace, stage)
 
     def progress(traces: int, ops: int, secs: float) -> None:
         if not job.quiet and traces % 20 == 0:
             print(f"\r{traces} traces, {ops} ops, {secs:.0f}/{job.budget:.0f}s", end="", file=sys.stderr)
 
     done.result = fuzz(factory, job.policy, job.budget, seed, job.oracle, job.target, progress=progress,
-                       bug=bug, on_finding=keep, refine=job.refine)
+                       bug=bug, on_finding=keep, refine=job.refine, resume=job.resume.get(seed))
     return done
+
+
+def save_finding(job: Job, factory: Any, trace: Trace, stage: str) -> Path:
+    """Write a finding's trace and its page under ``job.out``; the trace's path."""
+    path = save_trace(trace, job.out, finding_name(job.target, job.policy, _oracle_label(job.oracle), trace, stage))
+    page = page_for_trace(trace, path, factory)
+    if not job.quiet:
+        print(f"\n{stage} finding written: {path} (page: {page})", file=sys.stderr)
+    return path
+
+
+def _save_here(job: Job, results: list[WorkerResult]) -> None:
+    """Ray workers wrote their findings on their own machines: write them here too (same names)."""
+    factory = get_factory(job.target)
+    for w in results:
+        for stage, trace in (("unshrunk", w.result.unshrunk), ("shrunk", w.result.trace)):
+            if trace is not None:
+                w.saved[stage] = save_finding(job, factory, trace, stage)
 
 
 def run(args: argparse.Namespace) -> int:
     oracles.check_spec(args.oracle)
     workers = check_workers(args.workers)
+    if args.raw:
+        args.target = raw_target(args.target)
+    ray = check_ray(args.ray)
     get_factory(args.target)  # an unknown target is a ConfigError before any work
     bug = args.target[4:] if args.target.startswith("bug:") else None
     policy = _default_policy(args.target, bug)
@@ -122,16 +157,21 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"bug:{bug} runs under policy {policy!r}, not {args.policy!r}")
     policy = args.policy or policy
     check_writable(args.out)
-    job = Job(args.target, policy, args.budget, args.oracle, str(args.out), args.json or workers > 1, args.refine)
+    quiet = args.json or workers > 1 or ray is not None
+    state = CampaignState.at(Path(args.out), args.target, policy, _oracle_label(args.oracle), args.seed, workers)
+    if args.resume:
+        state.load()
+    job = Job(args.target, policy, args.budget, args.oracle, str(args.out), quiet, state.states, args.refine)
     start = time.monotonic()
-    if workers == 1:
-        results = [fuzz_one(job, args.seed)]
-    else:
-        if not args.json:
-            print(f"{workers} workers, seeds {', '.join(map(str, worker_seeds(args.seed, workers)))}",
-                  file=sys.stderr)
-        results = run_workers(functools.partial(fuzz_one, job), args.seed, workers)
-    report(args, results, policy, time.monotonic() - start)
+    if (workers > 1 or ray is not None) and not args.json:
+        where = f" as Ray tasks on {ray}" if ray else ""
+        print(f"{workers} workers{where}, seeds {', '.join(map(str, worker_seeds(args.seed, workers)))}",
+              file=sys.stderr)
+    results = run_workers(functools.partial(fuzz_one, job), args.seed, workers, ray)
+    if ray is not None:
+        _save_here(job, results)
+    state.save(results)
+    report(args, results, policy, time.monotonic() - start, state)
     if any(w.result.interrupted for w in results):
         return EXIT_INTERRUPTED
     return EXIT_FINDING if any(w.result.found for w in results) else EXIT_CLEAN
@@ -142,14 +182,48 @@ def _default_policy(target: str, bug: str | None) -> str:
         from kvspec.model.bugs import BUGS
 
         return BUGS[bug].policy
-    return "baseline" if target == "vllm" else "repair"
+    return "baseline" if target.removeprefix(RAW_PREFIX) == "vllm" or "vllm@" in target else "repair"
 
 
 def _oracle_label(spec: str | None) -> str:
     return "claims" if spec in (None, "claims") else str(spec)
 
 
-def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, wall: float) -> None:
+@dataclass
+class CampaignState:
+    """Where a campaign stopped: each worker's generator state and the totals so far, kept as JSON
+    in the output directory under a name made of target, policy, oracle, seed and workers."""
+
+    path: Path
+    states: dict[int, list[Any]] = field(default_factory=dict)
+    traces: int = 0  # before this run
+    ops: int = 0
+
+    @classmethod
+    def at(cls, out: Path, target: str, policy: str, oracle: str, seed: int, workers: int) -> CampaignState:
+        name = "-".join(_slug(x) for x in (target, policy, oracle, f"seed{seed}", f"workers{workers}"))
+        return cls(out / f"campaign-{name}.json")
+
+    def load(self) -> None:
+        """The saved state, if any (a malformed file is a ``ConfigError`` naming it)."""
+        if not self.path.exists():
+            return
+        try:
+            saved = json.loads(self.path.read_text())
+            self.states = {int(k): v for k, v in saved["states"].items()}
+            self.traces, self.ops = int(saved["traces"]), int(saved["ops"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"--resume: {self.path} is not a campaign state file ({exc})") from None
+
+    def save(self, results: list[WorkerResult]) -> None:
+        doc = {"states": {str(w.seed): w.result.rng_state for w in results},
+               "traces": self.traces + sum(w.result.traces for w in results),
+               "ops": self.ops + sum(w.result.ops for w in results)}
+        self.path.write_text(json.dumps(doc))
+
+
+def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, wall: float,
+           state: CampaignState) -> None:
     """The campaign's statistics and its distinct findings, as text or one JSON object."""
     distinct = Distinct()
     for w in results:
@@ -176,6 +250,8 @@ def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, w
         "unshrunk_trace": str(saved["unshrunk"]) if "unshrunk" in saved else None,
         "trace_ops": len(res.trace.ops) if res.trace else None,
         "workers": len(results),
+        "campaign": {"state": str(state.path), "resumed": bool(state.states),
+                     "traces_before": state.traces, "ops_before": state.ops},
         "per_worker": [{"seed": w.seed, "traces": w.result.traces, "ops": w.result.ops,
                         "ops_per_second": round(w.result.ops_per_second, 1), "found": w.result.found}
                        for w in results],
@@ -198,6 +274,9 @@ def _print_report(out: dict[str, Any]) -> None:
     print(f"{out['traces']} traces, {out['ops']} operations in {out['seconds']:.1f}s{workers} "
           f"({out['ops_per_second']:.0f} checked ops/s), target {out['target']}, policy {out['policy']}, "
           f"oracle: {out['oracle']}{state}")
+    if out["campaign"]["resumed"]:
+        print(f"  resumed a campaign of {out['campaign']['traces_before']} traces, "
+              f"{out['campaign']['ops_before']} operations ({out['campaign']['state']})")
     if out["rejected"]:
         print(f"  operations rejected cleanly by the target: {out['rejected']}")
     for name, n in out["rare_paths"].items():

@@ -10,8 +10,14 @@ and exception type is not reported again), so a rule broken on every step is rep
 the search goes on for the others, until ``--budget`` seconds per release are spent.
 
 Three outcomes stay apart: a *violation* (an invariant broke after an accepted operation), a
-*crash* (vLLM raised something other than kvspec's own refusal), a *rejection* (the target
-refused an operation the engine model generated as valid: a gap of the adapter, not a vLLM bug).
+*crash* (vLLM raised something other than kvspec's own refusal, or handed back what its own types
+exclude), and a refusal by kvspec's adapter. The engine model only generates calls the model
+accepts, so the adapter refuses one only when vLLM's state already left what the model allows,
+and by then the engine may have acted on the same operation: such a refusal is never reported as
+one. The trace is run again on the raw target (``raw:vllm@VERSION``: the call reaches vLLM) and
+judged there: what vLLM then does is the finding (violation or crash); if the invariants all hold,
+the row's kind is *divergence* (the model's rule is stricter than vLLM, not a vLLM bug).
+``--raw`` runs the whole search on the raw target.
 
 The table: release x finding, with the seconds into the release's search at which it was found,
 the shrunk trace's length and the public vLLM issue it matches where one was verified against the
@@ -27,14 +33,17 @@ import random
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvspec.adapters import vllm_compat as compat
+from kvspec.adapters.targets import raw_target
 from kvspec.commands.fuzz import budget_seconds
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError
+from kvspec.drivers.campaign import check_workers, single_threaded
 
 NAME = "history"
 HELP = "fuzz each real vLLM release with the invariants as the only oracle; table of findings"
@@ -82,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON row per finding")
     p.add_argument("--out", default="fuzz-out/history",
                    help="directory for the shrunk traces (default fuzz-out/history)")
+    p.add_argument("--raw", action="store_true",
+                   help="fuzz raw:vllm@VERSION: calls the model would refuse reach vLLM (default: vllm@VERSION)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="releases fuzzed at once, each in its own venv's process (default 1)")
     p.add_argument("--worker", metavar="VERSION", default=None, help=argparse.SUPPRESS)
 
 
@@ -95,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         raise ConfigError("no venv for vLLM " + ", ".join(missing) + "; build each with "
                           "scripts/setup-vllm-release.sh VERSION")
-    rows: list[dict[str, Any]] = []
-    for v in versions:
-        rows.extend(_run_release(v, args))
+    workers = check_workers(args.workers)
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(versions)))) as pool:  # each thread waits on a process
+        rows = [row for found in pool.map(lambda v: _run_release(v, args), versions) for row in found]
     _print(rows, versions, args.json)
     return EXIT_FINDING if rows else EXIT_CLEAN
 
@@ -106,7 +119,7 @@ def _run_release(version: str, args: argparse.Namespace) -> list[dict[str, Any]]
     """The worker in ``version``'s venv; its JSON rows (progress passes through on stderr)."""
     python = compat.venv_for(version) / "bin" / "python"
     cmd = [str(python), "-m", "kvspec.cli", "history", "--worker", version, "--budget", str(args.budget),
-           "--seed", str(args.seed), "--out", str(args.out)]
+           "--seed", str(args.seed), "--out", str(args.out), *(["--raw"] if args.raw else [])]
     print(f"history: vLLM {version}: fuzzing for {args.budget:.0f}s ({python})", file=sys.stderr)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.budget * 2 + 300)
     if proc.returncode not in (EXIT_CLEAN, EXIT_FINDING):
@@ -132,11 +145,19 @@ def _print(rows: list[dict[str, Any]], versions: list[str], as_json: bool) -> No
 # -- the worker, inside one release's venv -----------------------------------------------------
 
 
+#: The smallest sliding window drawn. With a 1-token window vLLM 0.33.0 caches no sliding-window
+#: block (``SlidingWindowManager.reachable_block_mask``: a hit needs no contiguous block, so none
+#: is marked reachable), while the engine model caches them as for any window; the engine and
+#: vLLM's scheduler differ from the first step (docs/vllm-history.md), so such traces would judge
+#: calls vLLM's scheduler never makes.
+MIN_WINDOW = 2
+
+
 def _config(rng: random.Random) -> OffloadConfig:
     block = rng.choice((1, 4, 16))
     groups: tuple[KVGroup, ...] = (KVGroup(),)
     if rng.random() < 0.35:
-        groups = (KVGroup(), KVGroup("sliding", sliding_window=block * rng.choice((1, 2, 3))))
+        groups = (KVGroup(), KVGroup("sliding", sliding_window=max(MIN_WINDOW, block * rng.choice((1, 2, 3)))))
     elif rng.random() < 0.15:
         groups = (KVGroup(), KVGroup())
     return OffloadConfig(block_size=block, num_gpu_blocks=rng.choice((12, 16, 24, 32)),
@@ -149,8 +170,10 @@ def _worker(args: argparse.Namespace) -> int:
     from kvspec.adapters.targets import get_factory
     from kvspec.adapters.vllm import baseline_oracle
 
+    single_threaded()
     version = args.worker
-    factory = get_factory(f"{compat.TARGET_PREFIX}{version}")
+    target = f"{compat.TARGET_PREFIX}{version}"
+    factory = get_factory(raw_target(target) if args.raw else target)
     rng = random.Random(args.seed)
     start = time.monotonic()
     seen: set[tuple[str | None, str | None]] = set()
@@ -178,7 +201,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _one_trace(version: str, cfg: OffloadConfig, factory: Any, oracle: tuple[str, ...], rng: random.Random,
                seen: set[tuple[str | None, str | None]], start: float, args: argparse.Namespace) -> dict[str, Any]:
-    """One random trace; a new finding, shrunk and saved, as a row (``_ops``: operations run)."""
+    """One random trace; a new finding, shrunk and saved, as a row (``_ops``: operations run). A
+    refusal by kvspec's adapter is judged again on the raw target (``_judged_raw``)."""
     from kvspec.drivers.harness import _finding_trace, finding_name, generate, save_trace, shrink
     from kvspec.drivers.opgen import OpMix
     from kvspec.oracle.oracles import Oracle
@@ -186,31 +210,64 @@ def _one_trace(version: str, cfg: OffloadConfig, factory: Any, oracle: tuple[str
     mix = OpMix(num_families=rng.choice([1, 2, 3]), readmit_preempted=True)
     trace_ops, out = generate(cfg, factory, rng, 120, oracle, mix=mix, strict=True)
     row: dict[str, Any] = {"_ops": len(trace_ops)}
-    sig = out.signature()
-    if not out.failed or sig in seen:
+    if not out.failed:
         return row
     if out.op_name == "(setup)":  # the release cannot build this configuration: not a finding
         print(f"history: vLLM {version}: configuration not supported: {out.crash}", file=sys.stderr)
         return row
+    target = f"{compat.TARGET_PREFIX}{version}"
+    raw = args.raw
+    if _refused(out) and not raw:
+        factory, out, raw = _judged_raw(cfg, trace_ops, factory, oracle, out, target)
+    sig = out.signature()
+    if sig in seen:
+        return row
     seen.add(sig)
     seconds = time.monotonic() - start
     small, small_out = shrink(cfg, trace_ops, factory, oracle, out, time.monotonic() + 60.0)
-    kind = _kind(small_out)
+    kind = _kind(small_out, raw)
     what = small_out.violation.id if small_out.violation else (small_out.exception or "rejected")
-    target = f"{compat.TARGET_PREFIX}{version}"
-    trace = _finding_trace(cfg, small, target, args.seed, Oracle("claims of baseline", oracle), small_out)
-    path = save_trace(trace, Path(args.out) / version, finding_name(target, "baseline", what, trace))
+    name = raw_target(target) if raw else target
+    trace = _finding_trace(cfg, small, name, args.seed, Oracle("claims of baseline", oracle), small_out)
+    path = save_trace(trace, Path(args.out) / version, finding_name(name, "baseline", what, trace))
     text = str(small_out.violation) if small_out.violation else small_out.describe()
+    if kind == "divergence":
+        text = f"{text}; on {raw_target(target)} vLLM accepts it and every invariant holds"
     row.update(version=version, finding=f"{what}: {text}"[:300], kind=kind,
                invariant=small_out.violation.id if small_out.violation else None, seconds=round(seconds, 1),
-               trace_ops=len(small), trace=str(path), issue=issue_for(version, kind, what))
+               trace_ops=len(small), trace=str(path), raw=raw, issue=issue_for(version, kind, what))
     return row
 
 
-def _kind(out: Any) -> str:
-    """violation, crash, or rejection (the target refused an operation generated as valid)."""
+def _judged_raw(cfg: OffloadConfig, ops: list[dict[str, Any]], factory: Any, oracle: tuple[str, ...], refusal: Any,
+                target: str) -> tuple[Any, Any, bool]:
+    """A refusal of ``ops``' last operation by kvspec's adapter, judged on ``raw:<target>``, where
+    the call reaches vLLM: (factory, outcome, raw). What vLLM then does (a violation or a crash) is
+    the finding, on the raw target; when every invariant holds, the refusal stays (on ``target``)
+    and is reported as a divergence."""
+    from kvspec.adapters.targets import get_factory
+    from kvspec.drivers.harness import run_ops
+
+    raw_factory = get_factory(raw_target(target))
+    judged = run_ops(cfg, ops, raw_factory, oracle)
+    if judged.failed:
+        return raw_factory, judged, True
+    return factory, refusal, False
+
+
+def _refused(out: Any) -> bool:
+    """A ``KVSpecError`` from the target stopped the trace (cleanly, or after the engine had acted
+    on the same operation), not the engine refusing its own generated input."""
+    return bool((out.kind == "expectation" and not out.input_error)
+                or (out.kind == "crash" and out.exception in _KVSPEC_ERRORS))
+
+
+def _kind(out: Any, raw: bool) -> str:
+    """violation or crash as the harness says; a refusal: a *divergence* (the model's rule, with vLLM
+    judged clean on the raw target), or on the raw target itself a *rejection* (the adapter could
+    not build vLLM's arguments: a gap of kvspec)."""
     if out.kind == "expectation" or (out.kind == "crash" and out.exception in _KVSPEC_ERRORS):
-        return "rejection"
+        return "rejection" if raw else "divergence"
     return str(out.kind)
 
 

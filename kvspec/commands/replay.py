@@ -1,7 +1,8 @@
 """``kvspec replay TRACE``: run a trace on a target; report its first finding.
 
 The trace is read as a stream (any size, bounded memory; a bad line is reported when it is
-reached). The target is ``--target`` or the one the header names; the oracle is
+reached). The target is ``--target`` or the one the header names (``--raw``: its raw form,
+``raw:vllm`` or ``raw:vllm@VERSION``, where calls the model refuses reach vLLM); the oracle is
 ``--oracle``, else the one the header recorded, else what the target's policy claims (for
 ``bug:<name>``, the catalogue's oracle of that variant). The report names both, the
 operation index, and the finding's kind: a *violation* (invariant id and blocks), a *crash*
@@ -24,7 +25,7 @@ import json
 from typing import Any
 
 from kvspec.adapters import claims as claimed
-from kvspec.adapters.targets import TargetFactory, get_factory
+from kvspec.adapters.targets import TargetFactory, get_factory, raw_target
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, TraceError, echo
 from kvspec.drivers import trace as trace_io
 from kvspec.drivers.harness import Outcome, run_ops
@@ -45,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle", default=None, metavar="claims|all|ID,ID",
                    help="invariants that judge the run (default: the header's recorded oracle, else claims)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--raw", action="store_true",
+                   help="run the raw form of the (real vLLM) target: calls the model would refuse reach vLLM")
     p.add_argument("--refine", action="store_true",
                    help="also check refinement (R1) after every accepted operation: each request's step is one "
                         "the proofs' transitions (kvspec.specs.transitions) admit (on by itself for a trace whose "
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     oracles.check_spec(args.oracle)
     with trace_io.open_trace(args.trace) as tr:
         name = args.target or header_target(tr.target)
+        name = raw_target(name) if args.raw else name
         factory = get_factory(name)
         reference = get_factory(args.against) if args.against else None
         bug = name[4:] if name.startswith("bug:") else None

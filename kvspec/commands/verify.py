@@ -15,11 +15,15 @@ import json
 import random
 import sys
 import time
-from typing import Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 from kvspec.adapters.targets import get_factory
-from kvspec.commands.fuzz import budget_seconds
+from kvspec.commands.fuzz import add_ray_argument, budget_seconds
 from kvspec.contract.errors import ConfigError
+from kvspec.drivers.campaign import check_ray, check_workers, map_jobs
 from kvspec.drivers.harness import default_oracle, generate, run_ops
 from kvspec.drivers.opgen import RandomChoices, random_config
 from kvspec.model import make_scheduler
@@ -35,35 +39,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=budget_seconds, default=60.0,
                    help="seconds for the conformance campaign (default 60)")
     p.add_argument("--bug-budget", type=budget_seconds, default=5.0, help="seconds per known bug (default 5)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of every campaign (default 0)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes running stages at once; the stages' results do not depend on it (default 1)")
+    add_ray_argument(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-class _Check(Protocol):
-    """A stage's check, called with no arguments (the lambdas below bind their loop variable as a default)."""
+@dataclass(frozen=True)
+class Stage:
+    """A stage: its name, a module-level check and the check's arguments (picklable: a campaign job)."""
 
-    def __call__(self) -> tuple[bool | None, str]: ...
+    name: str
+    check: Callable[..., tuple[bool | None, str]]
+    args: tuple[Any, ...] = ()
 
 
-def _stage(rows: list[dict[str, Any]], name: str, fn: _Check, quiet: bool) -> None:
+def run_stage(quiet: bool, stage: Stage) -> dict[str, Any]:
+    """Run one stage; its row (result pass / FAIL / skipped, seconds, detail)."""
     if not quiet:
-        print(f"[verify] {name} ...", file=sys.stderr)
+        print(f"[verify] {stage.name} ...", file=sys.stderr)
     t = time.monotonic()
-    ok, detail = fn()
-    rows.append({"stage": name, "result": {True: "pass", False: "FAIL", None: "skipped"}[ok],
-                 "seconds": round(time.monotonic() - t, 2), "detail": detail})
+    ok, detail = stage.check(*stage.args)
+    return {"stage": stage.name, "result": {True: "pass", False: "FAIL", None: "skipped"}[ok],
+            "seconds": round(time.monotonic() - t, 2), "detail": detail}
 
 
-def _campaign(policy: str, factory: Any, reference: Any, budget: float, seed: int) -> tuple[bool, str]:
-    """Random traces (drawn on the model) replayed on ``factory``, against ``reference`` when given,
-    judged by ``policy``'s claims, until ``budget`` seconds are spent or a finding is made."""
+def _campaign(policy: str, target: str, reference: bool, budget: float, seed: int) -> tuple[bool | None, str]:
+    """Random traces (drawn on the model) replayed on ``target``, against the model when
+    ``reference``, judged by ``policy``'s claims, until ``budget`` seconds are spent or a finding is
+    made; skipped when the target is not available here."""
+    try:
+        factory = get_factory(target)
+    except ConfigError as exc:
+        return None, f"{target} is not available ({exc})"
     rng = random.Random(seed)
     end = time.monotonic() + budget
     traces = ops = 0
     while time.monotonic() < end:
         cfg = random_config(RandomChoices(rng), policy)
         trace_ops, _ = generate(cfg, make_scheduler, rng, 60, ())
-        out = run_ops(cfg, trace_ops, factory, default_oracle(cfg), reference)
+        out = run_ops(cfg, trace_ops, factory, default_oracle(cfg), make_scheduler if reference else None)
         traces += 1
         ops += out.ops_run
         if out.failed:
@@ -91,37 +107,29 @@ def _known_bugs(budget: float) -> tuple[bool, str]:
 
 def _vllm(budget: float, seed: int) -> tuple[bool | None, str]:
     try:
-        factory = get_factory("vllm")
+        get_factory("vllm")
         importlib.import_module("vllm")
     except (ConfigError, ImportError) as exc:
         return None, f"vLLM not installed here ({exc.__class__.__name__})"
-    return _campaign("baseline", factory, make_scheduler, budget, seed)
+    return _campaign("baseline", "vllm", True, budget, seed)
 
 
-def _impl_factory() -> Any:
-    try:
-        return get_factory("impl")
-    except ConfigError:
-        return None
+def stages(budget: float, bug_budget: float, seed: int) -> list[Stage]:
+    """The stages in order, with their shares of the campaign budget."""
+    share = budget / 3
+    out = [Stage("proofs", _proofs)]
+    out += [Stage(f"conformance model/{p}", _campaign, (p, "model", False, share / 2, seed))
+            for p in ("baseline", "repair")]
+    out += [Stage(f"impl vs model/{p}", _campaign, (p, "impl", True, share / 3, seed))
+            for p in ("baseline", "signal-rescan", "repair")]
+    out += [Stage("known-bug catalogue", _known_bugs, (bug_budget,)),
+            Stage("vLLM 0.33.0 vs model/baseline", _vllm, (share, seed))]
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
-    rows: list[dict[str, Any]] = []
-    quiet = args.json
-    _stage(rows, "proofs", _proofs, quiet)
-    share = args.budget / 3
-    for policy in ("baseline", "repair"):
-        _stage(rows, f"conformance model/{policy}",
-               lambda p=policy: _campaign(p, make_scheduler, None, share / 2, args.seed), quiet)
-    impl = _impl_factory()
-    for policy in ("baseline", "signal-rescan", "repair"):
-        if impl is None:
-            _stage(rows, f"impl vs model/{policy}", lambda: (None, "kvspec.impl is not available"), quiet)
-        else:
-            _stage(rows, f"impl vs model/{policy}",
-                   lambda p=policy: _campaign(p, impl, make_scheduler, share / 3, args.seed), quiet)
-    _stage(rows, "known-bug catalogue", lambda: _known_bugs(args.bug_budget), quiet)
-    _stage(rows, "vLLM 0.33.0 vs model/baseline", lambda: _vllm(share, args.seed), quiet)
+    workers, ray = check_workers(args.workers), check_ray(args.ray)
+    rows = map_jobs(partial(run_stage, args.json), stages(args.budget, args.bug_budget, args.seed), workers, ray)
     failed = any(r["result"] == "FAIL" for r in rows)
     if args.json:
         print(json.dumps({"ok": not failed, "stages": rows}))

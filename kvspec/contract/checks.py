@@ -47,6 +47,14 @@ def check_count(value: object, what: str, upper: int | None = None) -> int:
     return value
 
 
+def check_count_type(value: object, what: str) -> int:
+    """An int (not a bool) of any sign: what a count must be to reach a real engine unchecked
+    (raw mode). ``InvalidCountError``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidCountError(f"{what} must be an int, got {echo(value)}")
+    return value
+
+
 def check_free_counts(ids: Sequence[int], ref_cnt: Callable[[int], int], pool: str) -> None:
     """No block freed more often than it is referenced (vLLM would leave a negative ref count)."""
     for b, times in Counter(ids).items():
@@ -244,11 +252,11 @@ def _smallest_count(counts: Mapping[str, Any]) -> int:
 
 
 def check_worker_output(out: object, load_sent: Callable[[str], bool | None], store_event_counter: int,
-                        world_size: int) -> None:
+                        world_size: int, *, rules: bool = True) -> None:
     """Worker reports (``update_connector_output``), shapes first, bounded messages:
     ``finished_recving`` a set (or list) of request ids, each naming a request whose load was
     sent; ``completed_store_events`` a dict int event id -> worker count, each event issued, each
-    count in 1..world_size."""
+    count in 1..world_size. ``rules`` False (raw mode): the shapes only, counts any int."""
     what = "update_connector_output"
     recving = _field(out, "finished_recving", what, "a KVConnectorOutput")
     events = _field(out, "completed_store_events", what, "a KVConnectorOutput")
@@ -259,6 +267,10 @@ def check_worker_output(out: object, load_sent: Callable[[str], bool | None], st
     for e in events:
         if not isinstance(e, int) or isinstance(e, bool):
             raise InvalidOperationError(f"completed_store_events: an event id must be an int, got {echo(e)}")
+    if not rules:
+        for e, c in events.items():
+            check_count_type(c, f"worker count for store event {e}")
+        return
     for rid in recving:
         sent = load_sent(rid)
         if sent is None:

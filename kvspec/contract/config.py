@@ -24,7 +24,7 @@ MAX_BATCHED_TOKENS = 1 << 20
 MAX_GROUPS = 8
 MAX_SLIDING_WINDOW = 1 << 20
 CONFIG_KEYS = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "groups", "world_size", "lazy_offload",
-               "max_num_batched_tokens", "policy")
+               "max_num_batched_tokens", "policy", "async_scheduling")
 _REQUIRED_KEYS = ("block_size", "num_gpu_blocks", "num_cpu_blocks")
 _GROUP_KEYS = ("kind", "sliding_window")
 
@@ -50,7 +50,7 @@ def _check_group(kind: object, sliding_window: object, where: str) -> None:
 
 def _check_config(block_size: object, num_gpu_blocks: object, num_cpu_blocks: object, groups: object,
                   world_size: object, lazy_offload: object, max_num_batched_tokens: object, policy: object,
-                  where: str) -> None:
+                  async_scheduling: object, where: str) -> None:
     """Every field of an :class:`OffloadConfig`; ``where`` prefixes the field names
     (``"config."`` for a file). Raises ``ConfigError`` naming the first bad field."""
     _check_int(block_size, f"{where}block_size", 1, MAX_BLOCK_SIZE)
@@ -75,6 +75,8 @@ def _check_config(block_size: object, num_gpu_blocks: object, num_cpu_blocks: ob
     _check_int(max_num_batched_tokens, f"{where}max_num_batched_tokens", 1, MAX_BATCHED_TOKENS)
     if not isinstance(policy, str) or policy not in POLICIES:
         raise ConfigError(f"{where}policy: unknown policy {echo(policy)}; known: {', '.join(POLICIES)}")
+    if not isinstance(async_scheduling, bool):
+        raise ConfigError(f"{where}async_scheduling: expected true or false, got {echo(async_scheduling)}")
     if lazy_offload and policy != "baseline":
         raise ConfigError(f"{where}lazy_offload: lazy offload has no per-request store state: "
                           "use policy 'baseline'")
@@ -109,6 +111,11 @@ class OffloadConfig:
     float) within its bound, ``groups`` a tuple of at most MAX_GROUPS ``KVGroup`` with a
     full-attention group, ``lazy_offload`` a bool, ``policy`` a known name; else ``ConfigError``
     naming the field.
+
+    ``async_scheduling`` is how the engine schedules (vLLM's ``scheduler_config.async_scheduling``):
+    vLLM 0.33.0 resolves it to True for generative models, so that is the default; False is
+    vLLM's synchronous ``Scheduler``. It is the engine's, not the target's: every target runs
+    under either.
     """
 
     block_size: int = 16
@@ -119,6 +126,7 @@ class OffloadConfig:
     lazy_offload: bool = False
     max_num_batched_tokens: int = 64
     policy: str = "repair"
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -126,7 +134,7 @@ class OffloadConfig:
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad field (run by the constructor)."""
         _check_config(self.block_size, self.num_gpu_blocks, self.num_cpu_blocks, self.groups, self.world_size,
-                      self.lazy_offload, self.max_num_batched_tokens, self.policy, "")
+                      self.lazy_offload, self.max_num_batched_tokens, self.policy, self.async_scheduling, "")
 
     @property
     def num_groups(self) -> int:
@@ -154,6 +162,7 @@ class OffloadConfig:
             "lazy_offload": self.lazy_offload,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "policy": self.policy,
+            "async_scheduling": self.async_scheduling,
         }
 
     @staticmethod
@@ -196,6 +205,7 @@ class OffloadConfig:
             "lazy_offload": d.get("lazy_offload", False),
             "max_num_batched_tokens": d.get("max_num_batched_tokens", 64),
             "policy": d.get("policy", "repair"),
+            "async_scheduling": d.get("async_scheduling", True),
         }
         _check_config(**fields, where=f"{where}.")
         return OffloadConfig(**fields)

@@ -25,14 +25,13 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvspec.adapters.vllm_scheduler import SchedulerOptions, StepObservation
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.drivers.lockstep import (
     Divergence,
-    EngineSide,
     Lockstep,
     VllmSide,
     engine_vs_vllm,
@@ -374,28 +373,12 @@ def first_divergence(mode: str, config: OffloadConfig, ops: list[dict[str, Any]]
         if d is not None:
             d.klass = classify_async(config, ops, d)
         return d, lock.ops_compared
-    if mode == "engine-async":
-        return _engine_async(config, ops)
-    options = SchedulerOptions(async_scheduling=False)
+    config = replace(config, async_scheduling=mode == "engine-async")
+    options = SchedulerOptions(async_scheduling=config.async_scheduling)
     d, compared = run_lockstep(config, ops, options)
     if d is not None:
         d.klass = classify(config, ops, d, options)
     return d, compared
-
-
-def _engine_async(config: OffloadConfig, ops: list[dict[str, Any]]) -> tuple[Divergence | None, int]:
-    finish = SchedulerOptions(async_scheduling=False, auto_finish=True)
-    lock = Lockstep(EngineSide(config), VllmSide(config, SchedulerOptions(async_scheduling=True)))
-    d = lock.run(ops)
-    if d is None:
-        return None, lock.ops_compared
-    sync_d, _ = run_lockstep(config, ops[: d.op_index + 1], finish)
-    if sync_d is not None:
-        d.klass = classify(config, ops, sync_d, finish)
-    else:
-        async_d = sync_vs_async(config).run(ops[: d.op_index + 1])
-        d.klass = classify_async(config, ops, async_d) if async_d is not None else UNCLASSIFIED
-    return d, lock.ops_compared
 
 
 def measure(mode: str, family: str, seed: int, count: int, n_ops: int) -> Tally:

@@ -1,8 +1,9 @@
 """The engine model: the environment that drives a target in vLLM's call order.
 
 It plays the parts of vLLM's scheduler, KV-cache manager and workers around the
-offload manager under test (docs/vllm-semantics.md §6), synchronously (one batch in
-flight, no output placeholders, no deferred frees):
+offload manager under test (docs/vllm-semantics.md §6), under vLLM's synchronous
+``Scheduler`` or, when ``config.async_scheduling`` (vLLM 0.33.0's default), its
+``AsyncScheduler`` stepped as engine core's batch queue steps it:
 
 * **Requests** have prompt tokens drawn from a *family* (same family, same prefix,
   same chained hashes), so prefixes are shared on purpose; sampled tokens are
@@ -19,6 +20,19 @@ flight, no output placeholders, no deferred frees):
   threshold and step token budget. Then ``build_connector_meta``, then the computed counts
   advance (so tokens are *confirmed one step late*), GPU blocks were hashed at schedule
   time, the forward runs and a token is sampled where the prompt is done.
+* **Async scheduling** (``config.async_scheduling``): each step schedules a batch and then
+  processes the oldest batch's output only once two are in flight (or nothing else can be
+  scheduled), so sampled tokens come back one step late. A request that will sample counts an
+  *output placeholder* (``num_computed_tokens`` includes it; confirmed tokens are computed minus
+  placeholders); the running pass skips a request whose placeholders already reach
+  ``max_tokens``; a request stops at ``max_tokens`` in the processing of the batch that sampled
+  its last token (and then finishes, blocks freed, finish flush queued); blocks of a request whose
+  last batch is still in flight are freed only once that batch is processed (vLLM's
+  ``defer_block_free``: the connector can load); no request whose blocks are in flight is preempted
+  to make room; out-of-window blocks are freed on processed tokens (computed minus in flight); a
+  preempted request's output still in flight is appended on return, and the request is not
+  admitted again until it has drained. Synchronous scheduling processes each batch in its own step
+  and keeps a request until ``finish`` (it samples nothing past ``max_tokens``).
 * **Workers**: loads copy CPU data to GPU when shipped; stores copy GPU data after
   the step's forward (the compute-done barrier) and land in the CPU when the last
   rank reports. ``report`` delivers one rank count for one event, in any order.
@@ -39,7 +53,7 @@ changing anything when they are wrong.
 from __future__ import annotations
 
 import inspect
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +77,7 @@ from kvspec.contract.types import (
     SchedulerOutput,
 )
 from kvspec.model.block_pool import NULL_BLOCK
-from kvspec.model.hashing import BlockHash, block_hashes, chain_hash
+from kvspec.model.hashing import ROOT_HASH, BlockHash, block_hashes, chain_hash
 from kvspec.model.hit_search import find_longest_cache_hit
 from kvspec.model.rules import window_floor
 from kvspec.oracle.catalogue import observe_plan
@@ -170,6 +184,19 @@ class StepBudget:
 
 
 @dataclass
+class Batch:
+    """A scheduled batch whose output is not processed yet: tokens per request (scheduling order),
+    the requests it samples a token for, and whether it scheduled anything."""
+
+    scheduled: dict[str, int]
+    sampling: list[str]
+
+    @property
+    def total(self) -> int:
+        return sum(self.scheduled.values())
+
+
+@dataclass
 class EngineRequest:
     """A request as the engine sees it; also the ``RequestView`` the target reads."""
 
@@ -189,6 +216,9 @@ class EngineRequest:
     block_hashes: list[BlockHash] = field(default_factory=list)
     was_preempted: bool = False
     free_after_load: bool = False
+    num_in_flight_tokens: int = 0  # scheduled in batches whose output is not processed yet
+    num_stale_output_tokens: int = 0  # of those, scheduled before a preemption (output appended on return)
+    last_sched_seq: int = 0  # the scheduled-step sequence number of the last batch that scheduled it
 
     def __post_init__(self) -> None:
         self.table = [[] for _ in range(self.num_groups)]
@@ -202,12 +232,30 @@ class EngineRequest:
     def all_tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    def token_at(self, position: int) -> int:
+        """The token at ``position``: the prompt's, or the one the request samples there (a pure
+        function of the request and the position, so known before it is sampled)."""
+        if position < len(self.prompt):
+            return self.prompt[position]
+        return 2_000_000_000 + self.serial * 100_000 + position - len(self.prompt)
+
     def append_output_token(self) -> None:
         """Sample one token; a newly full block gets its chained hash."""
-        self.output.append(2_000_000_000 + self.serial * 100_000 + len(self.output))
+        self.output.append(self.token_at(self.num_tokens))
         if self.num_tokens % self.block_size == 0:
-            parent = self.block_hashes[-1] if self.block_hashes else "0" * 16
+            parent = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
             self.block_hashes.append(chain_hash(parent, tuple(self.all_tokens[-self.block_size :])))
+
+    def written_hash(self, p: int) -> BlockHash:
+        """The chained hash of the tokens a forward writes into block position ``p``: the block hash
+        once the tokens are appended, before that the hash of the tokens that will be (an input
+        position may hold a token sampled by a batch whose output is still in flight). O(p)."""
+        if p < len(self.block_hashes):
+            return self.block_hashes[p]
+        h = self.block_hashes[-1] if self.block_hashes else ROOT_HASH
+        for q in range(len(self.block_hashes), p + 1):
+            h = chain_hash(h, tuple(self.token_at(t) for t in range(q * self.block_size, (q + 1) * self.block_size)))
+        return h
 
 
 def prompt_tokens(family: int, length: int) -> list[int]:
@@ -239,6 +287,15 @@ class Engine:
         self.loads_shipped: dict[str, int] = {}
         self.preempted_since_step: set[str] = set()
         self.finished_since_step: set[str] = set()
+        self.async_scheduling = self.config.async_scheduling
+        self.batch_queue_size = 2 if self.async_scheduling else 1  # vLLM's max_concurrent_batches
+        self.defer_block_free = self.async_scheduling  # vLLM: batches overlap and the connector loads
+        self.in_flight: deque[Batch] = deque()  # newest first, as engine core's batch queue
+        self.sched_step_seq = 0  # non-empty batches scheduled (vLLM's fence counters)
+        self.processed_step_seq = 0  # non-empty batches processed
+        # (fence, blocks in allocation order, those of them at confirmed positions when set aside)
+        self.deferred_frees: deque[tuple[int, list[int], set[int]]] = deque()
+        self.async_counts: Counter[str] = Counter()  # how often each async-scheduling rule applied
         self.step_index = 0
         self.last_op: str | None = None
         self.last_result: Any = None
@@ -298,9 +355,11 @@ class Engine:
         when at most one request is eligible; without one, every request is capped by ``chunk``
         and the step by nothing else. Engine core does not step a scheduler that has no request
         (``has_requests``): such a step does nothing and returns empty metadata."""
-        admit, preempt = check_step_args(admit, chunk, preempt, resume, budget, self._status)
+        admit, preempt = check_step_args(admit, chunk, preempt, resume, budget, self.status)
         if not self._has_requests():
             self.converging_step = False
+            if self.in_flight:  # engine core still drains the batch queue
+                self._process(self.in_flight.pop())
             return ConnectorMetadata()
 
         self.converging_step = not admit and self._quiescent()
@@ -324,16 +383,72 @@ class Engine:
         self.last_plan = observe_plan(pre, self.target.snapshot(),
                                       list((Counter(meta.store_gpu_blocks) - queued).elements()))
         self._after_build(meta)
-        for rid, n in scheduled.items():
-            r = self.requests[rid]
-            r.num_computed_tokens += n
-            if r.num_computed_tokens >= r.num_tokens:  # no longer prefilling (vLLM: not is_prefill_chunk)
-                self.inflight_prefills.discard(rid)
+        batch = self._update_after_schedule(scheduled)
         self._forward(scheduled, meta)
         self.preempted_since_step.clear()
         self.finished_since_step.clear()
         self.step_index += 1
+        self.in_flight.appendleft(batch)
+        if len(self.in_flight) >= self.batch_queue_size or (batch.total == 0 and not self._has_requests()):
+            stopped = self._process(self.in_flight.pop())
+            # a request that stopped here queued its finish flush after the planning: not quiescent
+            self.converging_step = self.converging_step and not stopped
         return meta
+
+    def _update_after_schedule(self, scheduled: dict[str, int]) -> Batch:
+        """vLLM ``_update_after_schedule``: computed and in-flight tokens advance; a request that is
+        no longer prefilling will sample (under async scheduling it counts a placeholder for that
+        token) and leaves the in-flight prefills. O(scheduled)."""
+        if self.defer_block_free and scheduled:
+            self.sched_step_seq += 1
+        sampling = []
+        for rid, n in scheduled.items():
+            r = self.requests[rid]
+            r.num_computed_tokens += n
+            r.num_in_flight_tokens += n
+            r.last_sched_seq = self.sched_step_seq
+            if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:  # vLLM: not is_prefill_chunk
+                self.inflight_prefills.discard(rid)
+                sampling.append(rid)
+                if self.async_scheduling:
+                    r.num_output_placeholders += 1
+        return Batch(dict(scheduled), sampling)
+
+    def _process(self, batch: Batch) -> bool:
+        """vLLM ``update_from_output`` of ``batch`` with the engine's sampled tokens: deferred frees
+        whose batch is now processed go back to the pool; in-flight (and stale) counts drain; each
+        sampling request still unfinished gets its token (stale output too, without touching its
+        placeholders); under async scheduling the newly confirmed full blocks are cached and a
+        request that reached ``max_tokens`` stops and finishes. Returns whether one did. O(batch + its
+        requests' tables)."""
+        stopped = False
+        if self.defer_block_free and batch.total > 0:
+            self.processed_step_seq += 1
+            while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
+                self.gpu.free_blocks(list(reversed(self.deferred_frees.popleft()[1])))
+        for rid, n in batch.scheduled.items():
+            r = self.requests.get(rid)
+            if r is None or r.status == FINISHED:
+                continue
+            r.num_in_flight_tokens -= n
+            stale = r.num_stale_output_tokens > 0
+            if stale:
+                r.num_stale_output_tokens -= n
+            if rid not in batch.sampling or (not self.async_scheduling and len(r.output) >= r.max_tokens):
+                continue
+            confirming = not stale and r.status == RUNNING and r.num_output_placeholders > 0
+            r.append_output_token()
+            if stale:
+                self.async_counts["stale output appended"] += 1
+            if not stale and r.num_output_placeholders > 0:
+                r.num_output_placeholders -= 1
+            if confirming:
+                self._cache_blocks(r, r.num_computed_tokens - r.num_in_flight_tokens)
+            if self.async_scheduling and len(r.output) >= max(1, r.max_tokens):
+                self._finish(r)  # vLLM's check_stop: the length cap
+                self.async_counts["stop at max_tokens"] += 1
+                stopped = True
+        return stopped
 
     def _has_requests(self) -> bool:
         """vLLM's ``Scheduler.has_requests``: an unfinished request, a finish not yet reported to a
@@ -378,7 +493,7 @@ class Engine:
         del self.loads_shipped[rid]
         r = self.requests[rid]
         if r.free_after_load:
-            self._free_table(r)
+            self._free_request_blocks(r)
             r.free_after_load = False
             del self.live[rid]
         elif r.status == WAITING_FOR_REMOTE:
@@ -386,20 +501,28 @@ class Engine:
 
     def op_finish(self, rid: str) -> None:
         """``rid`` stops or is aborted, in whatever phase it is."""
-        if self._status(rid) == FINISHED:
+        if self.status(rid) == FINISHED:
             raise InvalidOperationError(f"{rid} already finished")
-        r = self.requests[rid]
+        self._finish(self.requests[rid], observe=True)
+
+    def _finish(self, r: EngineRequest, observe: bool = False) -> None:
+        """vLLM ``_free_request``: out-of-window blocks freed (processed tokens), the connector's
+        ``request_finished`` with the table clipped to the computed tokens, then the blocks freed
+        (after the load, for a request still waiting on one; after the batch in flight, for one a
+        batch still writes). ``observe``: record the finish flush for the oracle (C3, C5-C7)."""
+        rid = r.request_id
         self._remove_skipped_blocks(r)
         clipped = tuple(list(t[: -(-r.num_computed_tokens // self.B)]) for t in r.table)
-        expected = self._flush_expectation(r, clipped)
-        pre = self.snapshot()
+        if observe:
+            expected = self._flush_expectation(r, clipped)
+            pre = self.snapshot()
         self.target.request_finished_all_groups(r, clipped)
-        post = self.target.snapshot()
-        queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
-        flushed = Counter(g for t in post["scheduler"]["pending_finished_stores"] for g in t["gpu"])
-        self.last_plan = observe_plan(pre, post, list((flushed - queued).elements()), rid)
-        self.last_finish = {"rid": rid, "keys": expected,
-                            "cpu_free_after": self.target.snapshot()["cpu_pool"]["free_queue"].__len__()}
+        if observe:
+            post = self.target.snapshot()
+            queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
+            flushed = Counter(g for t in post["scheduler"]["pending_finished_stores"] for g in t["gpu"])
+            self.last_plan = observe_plan(pre, post, list((flushed - queued).elements()), rid)
+            self.last_finish = {"rid": rid, "keys": expected, "cpu_free_after": len(post["cpu_pool"]["free_queue"])}
         for queue in (self.running, self.holding):
             if rid in queue:
                 queue.remove(rid)
@@ -407,7 +530,7 @@ class Engine:
         if r.status == WAITING_FOR_REMOTE and rid in self.loads_shipped:
             r.free_after_load = True
         else:
-            self._free_table(r)
+            self._free_request_blocks(r)
             del self.live[rid]
         r.status = FINISHED
         self.finished_since_step.add(rid)
@@ -418,14 +541,17 @@ class Engine:
         return gpu_ok, self.target.reset()
 
     def _flush_expectation(self, r: EngineRequest, table: tuple[list[int], ...]) -> list[str]:
-        """Keys the finish flush must cover: owned, hashed, confirmed positions at or after the cursor."""
+        """Keys the finish flush must cover: owned, hashed, confirmed positions at or after the cursor
+        (a sliding-window position that left the window is not owned, even while a batch in flight
+        keeps its block in the table)."""
         st = self.target.snapshot()["scheduler"]["reqs_to_store"].get(r.request_id)
         if st is None or st["finished"]:
             return []
         confirmed = (r.num_computed_tokens - r.num_output_placeholders) // self.B
         keys = []
         for g, ids in enumerate(table):
-            for p in range(st["num_stored_blocks"][g], min(confirmed, len(ids), len(r.block_hashes))):
+            start = max(st["num_stored_blocks"][g], self._skipped(g, r.num_computed_tokens))
+            for p in range(start, min(confirmed, len(ids), len(r.block_hashes))):
                 b = ids[p]
                 if b != NULL_BLOCK and self.gpu.block_hash[b] == (r.block_hashes[p], g):
                     keys.append(f"{r.block_hashes[p]}:{g}")
@@ -438,7 +564,7 @@ class Engine:
 
     # -- scheduling pieces -------------------------------------------------------------------
 
-    def _status(self, rid: object) -> str:
+    def status(self, rid: object) -> str:
         """The status of request ``rid``; ``UnknownRequestError`` for an id never added."""
         if isinstance(rid, str) and rid in self.retired:
             return FINISHED
@@ -447,22 +573,52 @@ class Engine:
         return self.requests[rid].status
 
     def _preempt(self, r: EngineRequest) -> None:
-        """vLLM ``_preempt_request``: blocks freed (reverse order per group), computed tokens reset,
-        out of the running queue, reported preempted in this step's output."""
-        self._free_table(r)
+        """vLLM ``_preempt_request``: blocks freed (``_free_request_blocks``), computed tokens and
+        placeholders reset, output still in flight marked stale, out of the running queue, reported
+        preempted in this step's output."""
+        self._free_request_blocks(r)
         if r.request_id in self.running:
             self.running.remove(r.request_id)
         self.inflight_prefills.discard(r.request_id)
         r.num_computed_tokens = 0
+        r.num_stale_output_tokens = r.num_in_flight_tokens
         r.num_output_placeholders = 0
         r.status = PREEMPTED
         r.was_preempted = True
         self.preempted_since_step.add(r.request_id)
 
     def _free_table(self, r: EngineRequest) -> None:
+        """Every block of ``r``'s table back to the pool now, each group's in reverse order."""
         for g in range(self.G):
             self.gpu.free_blocks([b for b in reversed(r.table[g]) if b != NULL_BLOCK])
         r.table = [[] for _ in range(self.G)]
+
+    def _blocks_can_be_freed(self, r: EngineRequest) -> bool:
+        """No batch still in flight writes ``r``'s blocks (always, without deferred frees)."""
+        return not self.defer_block_free or r.last_sched_seq <= self.processed_step_seq
+
+    def _free_request_blocks(self, r: EngineRequest) -> None:
+        """vLLM ``_free_request_blocks``: the table is freed now, or, while a batch in flight still
+        writes it, set aside (all groups in allocation order) until the newest batch scheduled so
+        far is processed, and then freed in reverse."""
+        if self._blocks_can_be_freed(r):
+            self._free_table(r)
+            return
+        blocks = [b for t in r.table for b in t if b != NULL_BLOCK]
+        ready = (r.num_computed_tokens - r.num_output_placeholders) // self.B
+        if blocks:
+            self.deferred_frees.append((self.sched_step_seq, blocks, {b for t in r.table for b in t[:ready]}))
+            self.async_counts["deferred free"] += 1
+        r.table = [[] for _ in range(self.G)]
+
+    def _reaches_max_tokens(self, r: EngineRequest) -> bool:
+        """Async scheduling: the placeholders already in flight are sure to reach ``max_tokens``, so
+        vLLM schedules no further step for ``r``."""
+        reaches = (r.num_output_placeholders > 0
+                   and r.num_computed_tokens + 2 - r.num_output_placeholders >= len(r.prompt) + max(1, r.max_tokens))
+        if reaches:
+            self.async_counts["placeholders reach max_tokens"] += 1
+        return reaches
 
     def _skipped(self, g: int, num_computed_tokens: int) -> int:
         """Leading positions of group ``g`` outside the window after ``num_computed_tokens``."""
@@ -472,11 +628,12 @@ class Engine:
         return window_floor(num_computed_tokens, spec.sliding_window, self.B)
 
     def _remove_skipped_blocks(self, r: EngineRequest) -> None:
-        """Sliding-window positions that left the window become null and are freed."""
+        """Sliding-window positions that left the window become null and are freed, on the processed
+        tokens (computed minus in flight: a batch in flight still reads the window)."""
         for g, spec in enumerate(self.config.groups):
             if spec.kind != "sliding":
                 continue
-            skipped = self._skipped(g, r.num_computed_tokens)
+            skipped = self._skipped(g, r.num_computed_tokens - r.num_in_flight_tokens)
             blocks = r.table[g]
             removed = []
             for i in range(min(skipped, len(blocks)) - 1, -1, -1):
@@ -488,12 +645,13 @@ class Engine:
 
     def _admission_cap(self, g: int) -> int | None:
         """vLLM's per-request admission cap of group ``g`` in blocks (``SlidingWindowSpec.
-        max_admission_blocks_per_request``: the window plus one step's tokens, plus one block);
-        None for a full-attention group, which has none."""
+        max_admission_blocks_per_request``: the window plus the tokens of every batch that can be
+        in flight, plus one block); None for a full-attention group, which has none."""
         spec = self.config.groups[g]
         if spec.kind != "sliding":
             return None
-        return -(-(spec.sliding_window - 1 + self.config.max_num_batched_tokens) // self.B) + 1
+        in_flight_tokens = self.batch_queue_size * self.config.max_num_batched_tokens  # vLLM max_in_flight_tokens
+        return -(-(spec.sliding_window - 1 + in_flight_tokens) // self.B) + 1
 
     def _required(self, g: int, num_tokens: int, capped: bool) -> int:
         """Blocks group ``g`` needs for ``num_tokens`` slots; ``capped``: the admission cap applies."""
@@ -537,18 +695,24 @@ class Engine:
         """vLLM's running pass, in the running queue's order, while the budget lasts: a request with
         tokens to compute gets its share (out-of-window blocks freed first); when its allocation fails the queue's
         last request is preempted and the allocation retried, until it succeeds or the request
-        preempted itself, which ends the pass. A request with nothing to compute is passed over
-        untouched. Returns whether anything was preempted (then nobody is admitted this step)."""
+        preempted itself, which ends the pass (as does a last request whose blocks a batch in flight
+        still writes). A request with nothing to compute, or whose placeholders already reach its
+        ``max_tokens``, is passed over untouched. Returns whether anything was preempted (then
+        nobody is admitted this step)."""
         preempted = False
         i = 0
         while i < len(self.running) and tokens.open():
             r = self.requests[self.running[i]]
-            if r.num_tokens <= r.num_computed_tokens:
+            need = r.num_tokens + r.num_output_placeholders - r.num_computed_tokens
+            if need <= 0 or self._reaches_max_tokens(r):
                 i += 1
                 continue
-            n = tokens.share(r.num_tokens - r.num_computed_tokens)
+            n = tokens.share(need)
             while (new := self._grow(r, r.num_computed_tokens + n)) is None:
                 victim = self.requests[self.running[-1]]
+                if not self._blocks_can_be_freed(victim):
+                    self.async_counts["no preemption of a request in flight"] += 1
+                    break  # vLLM: a deferred free would not make room now
                 self._preempt(victim)
                 preempted = True
                 if victim is r:
@@ -566,7 +730,8 @@ class Engine:
     def _schedule_waiting(self, admit: list[str], tokens: StepBudget, resume: str, out: SchedulerOutput,
                           scheduled: dict[str, int], resumed_new: list[NewRequestData]) -> None:
         """vLLM's waiting pass, while the budget lasts: the requests holding a load first (one still
-        loading is passed over), then the admissions; the first allocation that fails ends it."""
+        loading is passed over), then the admissions (one whose output from before a preemption is
+        still in flight is passed over); the first allocation that fails ends it."""
         for rid in list(self.holding):
             r = self.requests[rid]
             if not tokens.open():
@@ -574,7 +739,12 @@ class Engine:
             if r.status == LOADED and not self._schedule_loaded(r, tokens, resume, out, scheduled, resumed_new):
                 return
         for rid in admit:
-            if not tokens.open() or not self._admit(self.requests[rid], tokens, resume, out, scheduled, resumed_new):
+            r = self.requests[rid]
+            if not tokens.open():
+                return
+            if r.num_stale_output_tokens > 0:
+                continue  # vLLM: its output from before the preemption is still in flight
+            if not self._admit(r, tokens, resume, out, scheduled, resumed_new):
                 return
 
     def _start(self, r: EngineRequest, n: int, resume: str, out: SchedulerOutput, scheduled: dict[str, int],
@@ -696,8 +866,9 @@ class Engine:
 
     def _confirmed_at_planning(self, gpu_ids: list[int]) -> list[bool]:
         """Per block: held by some request at a confirmed position (computed in an earlier step or
-        a prefix hit), or held by no request and already holding its key's data (a free cached
-        block, or a finish flush's pinned block)."""
+        a prefix hit; a finished request's blocks whose free waits for a batch in flight count with
+        the positions it had confirmed), or held by no request and already holding its key's data
+        (a free cached block, or a finish flush's pinned block)."""
         confirmed: set[int] = set()
         held: set[int] = set()
         for r in self.live.values():
@@ -705,6 +876,9 @@ class Engine:
             for t in r.table:
                 held.update(t)
                 confirmed.update(t[:ready])
+        for _, blocks, at_confirmed in self.deferred_frees:
+            held.update(blocks)
+            confirmed.update(at_confirmed)
         out = []
         for g in gpu_ids:
             key = self.gpu.block_hash[g]
@@ -712,19 +886,17 @@ class Engine:
         return out
 
     def _forward(self, scheduled: dict[str, int], meta: ConnectorMetadata) -> None:
-        """Compute the scheduled tokens, then the store DMA (after the compute-done barrier)."""
+        """Compute the scheduled tokens (every full block below the computed tokens holds the data of
+        the tokens written into it), then the store DMA (after the compute-done barrier). The
+        tokens come back when the batch is processed (``_process``)."""
         for rid in scheduled:
             r = self.requests[rid]
             for p in range(r.num_computed_tokens // self.B):
                 for g in range(self.G):
                     if p < len(r.table[g]) and r.table[g][p] != NULL_BLOCK:
-                        self.gpu_data[r.table[g][p]] = r.block_hashes[p]
+                        self.gpu_data[r.table[g][p]] = r.written_hash(p)
         if meta.store_event >= 0:
             self.store_payload[meta.store_event] = [self.gpu_data[g] for g in meta.store_gpu_blocks]
-        for rid in scheduled:
-            r = self.requests[rid]
-            if r.num_computed_tokens == r.num_tokens and len(r.output) < r.max_tokens:
-                r.append_output_token()
 
     # -- observation --------------------------------------------------------------------------
 
@@ -767,6 +939,7 @@ class Engine:
             "store_selection_confirmed": {str(e): c for e, c in sorted(self.store_selection_confirmed.items())},
             "reports_left": {str(e): n for e, n in sorted(self.reports_left.items())},
             "loads_in_flight": sorted(self.loads_shipped),
+            "deferred_frees": [list(blocks) for _, blocks, _ in self.deferred_frees],
             "last_op": self.last_op,
             "last_result": list(self.last_result) if isinstance(self.last_result, tuple) else None,
             "converging_step": self.converging_step,

@@ -506,6 +506,7 @@ class FuzzResult:
     rare: dict[str, int] = field(default_factory=dict)
     rejected: int = 0
     interrupted: bool = False
+    rng_state: list[Any] | None = None  # the generator's state at the end (JSON-able: a campaign resumes from it)
 
     @property
     def kind(self) -> str | None:
@@ -524,13 +525,18 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
          target_name: str = "model", ops_per_trace: int = 60, lazy: bool = False,
          progress: Callable[[int, int, float], None] | None = None,
          config_for: Callable[[random.Random], OffloadConfig] | None = None,
-         bug: str | None = None, on_finding: FindingSink | None = None, refine: bool = False) -> FuzzResult:
+         bug: str | None = None, on_finding: FindingSink | None = None, refine: bool = False,
+         resume: list[Any] | None = None) -> FuzzResult:
     """Random traces until a finding or ``budget`` seconds. ``oracle`` is an oracle spec
     (``kvspec.oracle.resolve``: None/``claims``, ``all`` or ids), resolved for each random
     configuration; ``bug`` names the known-bug variant under test. A finding is handed to
     ``on_finding`` unshrunk, then shrunk; Ctrl-C returns what was found so far. ``refine`` adds
-    the refinement check (R1, ``kvspec.specs.refinement``) after every accepted operation."""
+    the refinement check (R1, ``kvspec.specs.refinement``) after every accepted operation.
+    ``resume``: a ``rng_state`` of an earlier run with the same seed, to go on where it stopped."""
     rng = random.Random(seed)
+    if resume is not None:
+        version, internal, gauss = resume
+        rng.setstate((version, tuple(internal), gauss))
     start = time.monotonic()
     rare = RarePaths()
     res = FuzzResult(False, 0.0, 0, 0, rare=rare.counts)
@@ -568,6 +574,8 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
     res.seconds = time.monotonic() - start
     if not res.found:
         res.search_seconds = res.seconds
+    version, internal, gauss = rng.getstate()
+    res.rng_state = [version, list(internal), gauss]
     return res
 
 
@@ -766,6 +774,16 @@ class EngineMachine:
         lost = len(self.run.snapshot["scheduler"]["policy_state"].get("lost", ()))
         self.max_lost = max(self.max_lost, lost)
 
+    def finish_request(self, rid: str) -> None:
+        """Abort a request of the bundle, unless it already stopped at ``max_tokens`` by itself
+        (async scheduling), which leaves nothing to abort."""
+        from hypothesis import event
+
+        if self.run.engine.status(rid) == "finished":
+            event("finish: the request had already stopped at max_tokens")
+            return
+        self.apply({"op": "finish", "rid": rid})
+
     def check_structures(self) -> None:
         """The target's own structural self-check, where it has one (the model's free queues,
         pools and scheduler check themselves)."""
@@ -825,7 +843,7 @@ def make_state_machine(factory: TargetFactory, reference: TargetFactory | None =
 
         @rule(rid=consumes(requests))
         def finish(self, rid: str) -> None:
-            self.apply({"op": "finish", "rid": rid})
+            self.finish_request(rid)
 
         @precondition(lambda self: self.can("reset") and self.run.engine.step_index % 4 == 3)
         @rule()

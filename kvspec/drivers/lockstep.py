@@ -1,8 +1,8 @@
 """Lockstep: two schedulers fed the same operations, compared after every one.
 
 A *side* takes kvspec's engine operations and shows what it did: ``EngineSide`` is
-``kvspec.drivers.engine.Engine`` over the model's ``baseline`` policy (synchronous
-scheduling, which is what the engine models); ``VllmSide`` is vLLM 0.33.0's real
+``kvspec.drivers.engine.Engine`` over the model's ``baseline`` policy (synchronous or async
+scheduling, as its configuration says); ``VllmSide`` is vLLM 0.33.0's real
 ``Scheduler`` or ``AsyncScheduler`` with the real SimpleCPUOffloadConnector
 (``kvspec.drivers.scheduler_driver``). ``Lockstep(left, right)`` applies each operation to
 both and compares, in this order:
@@ -70,7 +70,7 @@ class RecordingTarget:
 
 
 class EngineSide:
-    """The engine over the model's ``baseline`` policy."""
+    """The engine over the model's ``baseline`` policy, scheduling as ``config.async_scheduling`` says."""
 
     name = "engine"
 
@@ -97,9 +97,11 @@ class EngineSide:
 
 
 class VllmSide:
-    """vLLM's scheduler through ``VllmSchedulerDriver``."""
+    """vLLM's scheduler through ``VllmSchedulerDriver``: ``AsyncScheduler`` or ``Scheduler`` as
+    ``options`` say, by default as ``config.async_scheduling`` says."""
 
     def __init__(self, config: OffloadConfig, options: SchedulerOptions | None = None) -> None:
+        options = options or SchedulerOptions(async_scheduling=config.async_scheduling)
         self.driver = VllmSchedulerDriver(replace(config, policy="baseline"), options)
         self.name = "vLLM async" if self.driver.vllm.async_scheduling else "vLLM"
 
@@ -208,8 +210,9 @@ class Lockstep:
 
 
 def engine_vs_vllm(config: OffloadConfig, options: SchedulerOptions | None = None) -> Lockstep:
-    """The engine (left) against vLLM (right; synchronous unless ``options`` say otherwise)."""
-    return Lockstep(EngineSide(config), VllmSide(config, options or SchedulerOptions(async_scheduling=False)))
+    """The engine (left) against vLLM (right), both scheduling as ``config.async_scheduling`` says
+    (vLLM as ``options`` say, when given)."""
+    return Lockstep(EngineSide(config), VllmSide(config, options))
 
 
 def sync_vs_async(config: OffloadConfig) -> Lockstep:

@@ -159,7 +159,8 @@ class HypothesisChoices:
 
 def random_config(choices: Choices, policy: str, lazy: bool = False, block_size: int = 16) -> OffloadConfig:
     """A small configuration for ``policy``: 12-24 GPU and 4-8 CPU blocks (so that the rare paths
-    are common), one or two ranks, and now and then a sliding-window group beside the full one."""
+    are common), one or two ranks, now and then a sliding-window group beside the full one, and
+    async scheduling (vLLM's default) three times in four, synchronous scheduling otherwise."""
     gpu = choices.pick((12, 16, 24))
     cpu = choices.pick((4, 5, 6, 8))
     world = choices.pick((1, 1, 2))
@@ -167,8 +168,9 @@ def random_config(choices: Choices, policy: str, lazy: bool = False, block_size:
     if choices.chance(0.3):
         window = choices.pick((block_size, 2 * block_size, 3 * block_size))
         groups = (KVGroup(), KVGroup("sliding", sliding_window=window))
+    async_scheduling = choices.chance(0.75)
     return OffloadConfig(block_size=block_size, num_gpu_blocks=gpu, num_cpu_blocks=cpu, world_size=world,
-                         groups=groups, policy=policy, lazy_offload=lazy)
+                         groups=groups, policy=policy, lazy_offload=lazy, async_scheduling=async_scheduling)
 
 
 # -- the generator ---------------------------------------------------------------------------

@@ -1,18 +1,21 @@
 """Trace files: versioned JSON Lines, read as a stream.
 
-Line 1 is the header ``{"kvspec_trace": 2, "config": {...}, "target": ..., "seed": ..., "note": ...,
+Line 1 is the header ``{"kvspec_trace": 3, "config": {...}, "target": ..., "seed": ..., "note": ...,
 "oracle": [...], "finding": {...}}``; every further line is one engine operation
 ``{"op": name, ...}`` (see ``kvspec.drivers.engine.Engine``). An operation that is meant to be
 rejected carries ``"expect": "error"``. Blank lines are skipped (and counted).
 
 Header keys (every one but ``kvspec_trace`` and ``config`` optional):
 
-- ``kvspec_trace``: the format version, 1 or 2. Version 1 files are read as they always were
-  (unknown header keys ignored); version 2 refuses unknown header keys.
+- ``kvspec_trace``: the format version, 1 to 3. Version 1 files are read as they always were
+  (unknown header keys ignored); versions 2 and 3 refuse unknown header keys. Versions 1 and 2
+  were written before the engine modelled async scheduling: their operations ran under
+  synchronous scheduling, so a config without ``async_scheduling`` is read as ``false`` there
+  (version 3 writes the key; absent, it takes the constructor's default, true).
 - ``config``: an ``OffloadConfig`` as ``to_json`` writes it, read strictly (``from_json``).
 - ``target``: a string of at most 200 characters (default ``"model"``); ``seed``: an integer or
   null; ``note``: a string of at most 10,000 characters.
-- version 2 only: ``oracle``: null or a list of invariant ids (``I3``, ``C1``: the shape only is
+- versions 2 and 3: ``oracle``: null or a list of invariant ids (``I3``, ``C1``: the shape only is
   checked here; the caller checks that the ids are known), and ``finding``: null or
   ``{"kind": "violation"|"crash", "op_index": int >= 0, "invariant": str|null, "exception": str|null}``.
 
@@ -37,7 +40,8 @@ from typing import IO, Any
 from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import ConfigError, TraceError, echo
 
-TRACE_VERSION = 2  # written; versions 1..TRACE_VERSION are read
+TRACE_VERSION = 3  # written; versions 1..TRACE_VERSION are read
+SYNC_ONLY_VERSION = 2  # the last version written before async scheduling was modelled
 MAX_INT = 1 << 20
 MAX_LIST = 4096
 MAX_LINE = 1 << 20  # characters in one line, newline excluded
@@ -50,7 +54,8 @@ MAX_OP_INDEX = 1 << 40
 INVARIANT_ID = re.compile(r"[ICR][0-9]{1,6}")  # I and C: the catalogue; R1: refinement (kvspec.specs)
 FINDING_KINDS = ("violation", "crash", "divergence", "expectation")
 HEADER_KEYS = {1: ("kvspec_trace", "config", "target", "seed", "note"),
-               2: ("kvspec_trace", "config", "target", "seed", "note", "oracle", "finding")}
+               2: ("kvspec_trace", "config", "target", "seed", "note", "oracle", "finding"),
+               3: ("kvspec_trace", "config", "target", "seed", "note", "oracle", "finding")}
 _FINDING_KEYS = ("kind", "op_index", "invariant", "exception")
 
 # op name -> {arg: (type, required)}
@@ -220,8 +225,11 @@ def _parse_header(header: Any, line: int) -> dict[str, Any]:
         raise TraceError(line, f"header has no key {echo(key)} in version {version}; known: {', '.join(known)}")
     if "config" not in header:
         raise TraceError(line, "header.config is missing (required)")
+    raw_config = header["config"]
+    if version <= SYNC_ONLY_VERSION and isinstance(raw_config, dict) and "async_scheduling" not in raw_config:
+        raw_config = {**raw_config, "async_scheduling": False}  # recorded under synchronous scheduling
     try:
-        config = OffloadConfig.from_json(header["config"], "config")
+        config = OffloadConfig.from_json(raw_config, "config")
     except ConfigError as exc:
         raise TraceError(line, f"bad config: {exc}") from None
     target = _check_string(header.get("target", "model"), line, "header.target", MAX_TARGET)

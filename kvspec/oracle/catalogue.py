@@ -252,9 +252,11 @@ def _plan_positions(pre: Snapshot, post: Snapshot, copied: set[int], finishing: 
 @invariant("I1", "queue/ref", enforced_by=("model assertion", "stateful invariant", "CrossHair contract"))
 def _i1(s: Snapshot) -> Iterable[Violation]:
     """In each pool, a non-null block is in the free queue iff its ref count is 0; ref counts
-    are >= 0; the queue holds no block twice."""
+    are >= 0; the queue holds no block twice; the pool's own free count is the queue's length."""
     for name, p in _pools(s):
         queue = p["free_queue"]
+        if "free_count" in p:
+            yield Violation("I1", f"{name}: free count {p['free_count']} but {len(queue)} blocks in the free queue")
         for b, n in Counter(queue).items():
             if n > 1:
                 yield Violation("I1", f"{name}: block {b} is queued {n} times", (b,))
@@ -333,12 +335,15 @@ def _i4(s: Snapshot) -> Iterable[Violation]:
 @invariant("I5", "GPU ref accounting", needs_engine=True)
 def _i5(s: Snapshot) -> Iterable[Violation]:
     """A GPU block's ref count equals the request tables holding it + its listings in store
-    transfers (pending, queued, abandoned) + in loads."""
+    transfers (pending, queued, abandoned) + in loads + in the engine's deferred frees (blocks a
+    batch in flight still writes)."""
     sched = s["scheduler"]
     want: Counter[int] = Counter()
     for r in s["engine"]["requests"].values():
         for t in r["table"]:
             want.update(b for b in t if b != 0)
+    for blocks in s["engine"].get("deferred_frees", ()):
+        want.update(blocks)
     for _, t in _all_store_transfers(sched):
         want.update(t["gpu"])
     for _, ls in _loads(sched):
@@ -440,7 +445,8 @@ def _i11(s: Snapshot) -> Iterable[Violation]:
 @invariant("I12", "load fidelity", needs_engine=True)
 def _i12(s: Snapshot) -> Iterable[Violation]:
     """Each load pair copies a CPU block cached under the request's key for the GPU position,
-    into an unhashed GPU block; every computed position of a request holds its key's data."""
+    into an unhashed GPU block; every computed position of a request whose tokens are known (not
+    still in flight as placeholders) holds its key's data."""
     eng, sched = s["engine"], s["scheduler"]
     cpu_hash, gpu_hash = s["cpu_pool"]["block_hash"], s["gpu_pool"]["block_hash"]
     for rid, ls in sched["reqs_to_load"].items():
@@ -463,7 +469,8 @@ def _i12(s: Snapshot) -> Iterable[Violation]:
             continue
         for g, table in enumerate(r["table"]):
             # positions outside the window are neither loaded nor read
-            for p in range(_floor(groups, g, r, bs), min(r["num_computed_tokens"] // bs, len(table))):
+            for p in range(_floor(groups, g, r, bs), min(r["num_computed_tokens"] // bs, len(table),
+                                                         len(r["block_hashes"]))):
                 b = table[p]
                 if b != 0 and eng["gpu_data"][b] != r["block_hashes"][p]:
                     yield Violation("I12", f"group {g} position {p}: GPU block {b} holds data "

@@ -44,11 +44,11 @@ def _pools(*fields: str) -> tuple[Part, ...]:
 
 
 READS: dict[str, tuple[Part, ...]] = {
-    "I1": _pools("num_blocks", "ref_cnt", "free_queue"),
+    "I1": _pools("num_blocks", "ref_cnt", "free_queue", "free_count"),
     "I2": (*_pools("free_queue", "ref_cnt", "block_hash", "cached"), *_STORES_ALL, *_LOADS),
     "I3": (*_pools("cached", "block_hash", "free_queue"), *_STORES_ALL),
     "I4": (("cpu_pool", "ref_cnt"), *_STORES_ALL, *_LOADS, ("scheduler", "pending_cpu_hits")),
-    "I5": (("gpu_pool", "ref_cnt"), *_REQS, *_STORES_ALL, *_LOADS),
+    "I5": (("gpu_pool", "ref_cnt"), *_REQS, *_STORES_ALL, *_LOADS, ("engine", "deferred_frees")),
     "I6": (*_pools("ref_cnt"), *_STORES_ALL, *_LOADS),
     "I7": (*_STORES_LIVE, ("scheduler", "in_flight"), ("scheduler", "lazy")),
     "I8": _STORES_ALL,

@@ -96,13 +96,44 @@ def _add(op: dict[str, Any], before: Observed, after: Observed) -> list[str]:
 
 
 def _step(op: dict[str, Any], before: Observed, after: Observed) -> list[str]:
-    lines = [f"engine step {before.snap['engine']['step']} (schedule, build_connector_meta, forward, sample)"]
+    asynchronous = after.snap["engine"]["config"].get("async_scheduling", False)
+    what = ("schedule, build_connector_meta, forward; then the output of the oldest batch in flight is "
+            "processed" if asynchronous else "schedule, build_connector_meta, forward, sample")
+    lines = [f"engine step {before.snap['engine']['step']} ({what})"]
     for rid in op.get("preempt", []):
         lines.append(f"{rid} preempted: its GPU blocks are freed and its computed tokens reset to 0")
     for rid in op.get("admit", []):
         lines.append(_admission(rid, before, after))
     lines += _tokens(before, after)
     lines += _window_frees(before, after)
+    lines += _stops(before, after)
+    lines += _deferred(before, after)
+    return lines
+
+
+def _stops(before: Observed, after: Observed) -> list[str]:
+    """Requests the step finished by itself (async scheduling: at ``max_tokens``)."""
+    lines = []
+    for rid, old in before.requests.items():
+        r = after.requests.get(rid)
+        if old["status"] != "finished" and (r is None or r["status"] == "finished"):
+            lines.append(f"{rid} stopped at max_tokens when the batch that sampled its last token was processed: "
+                         "request_finished_all_groups (finish flush), then its GPU blocks freed")
+    return lines
+
+
+def _deferred(before: Observed, after: Observed) -> list[str]:
+    """GPU blocks set aside until the batch in flight is processed, and those returned to the pool."""
+    old = [tuple(b) for b in before.snap["engine"].get("deferred_frees", [])]
+    new = [tuple(b) for b in after.snap["engine"].get("deferred_frees", [])]
+    lines = []
+    returned = [b for blocks in old if blocks not in new for b in blocks]
+    if returned:
+        lines.append(f"GPU blocks {', '.join(map(str, returned))} returned to the pool (their batch was processed)")
+    added = [b for blocks in new if blocks not in old for b in blocks]
+    if added:
+        lines.append(f"GPU blocks {', '.join(map(str, added))} set aside: a batch in flight still writes them "
+                     "(freed when it is processed)")
     return lines
 
 
@@ -139,6 +170,8 @@ def _tokens(before: Observed, after: Observed) -> list[str]:
         if computed == 0 and sampled == 0:
             continue
         more = f", {count(sampled, 'token')} sampled" if sampled else ""
+        if r["num_output_placeholders"]:
+            more += f" ({count(r['num_output_placeholders'], 'placeholder')} for tokens still in flight)"
         lines.append(f"{rid}: computed tokens {old['num_computed_tokens']} -> {r['num_computed_tokens']} "
                      f"of {r['num_tokens']}{more}")
     return lines
@@ -179,6 +212,8 @@ def _finish(op: dict[str, Any], before: Observed, after: Observed) -> list[str]:
     old = before.requests.get(rid, {})
     shown = f" with {old['num_computed_tokens']}/{old['num_tokens']} tokens computed" if old else ""
     freed = "after its load" if after.requests.get(rid, {}).get("free_after_load") else "now"
+    if len(after.snap["engine"].get("deferred_frees", [])) > len(before.snap["engine"].get("deferred_frees", [])):
+        freed = "when the batch in flight that writes them is processed"
     return [f"{rid} finishes (it was {old.get('status', 'unknown')}{shown}): request_finished_all_groups, "
             f"its GPU blocks freed {freed}"]
 

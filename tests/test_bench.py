@@ -1,0 +1,80 @@
+"""``kvspec bench``'s reporting: what is timed for an adapter target, the JSON document, the help.
+(No timing is asserted: the clock below is a fake one.)"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvspec.cli import build_parser, main
+from kvspec.commands import bench
+
+
+class _FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Manager:
+    def __init__(self, clock: _FakeClock) -> None:
+        self.clock = clock
+
+    def build_connector_meta(self, out: Any) -> str:
+        self.clock.now += 2.0  # vLLM's own work
+        return "meta"
+
+    def update_connector_output(self, out: Any) -> None:
+        self.clock.now += 0.5
+
+
+class _Adapter:
+    """Mirrors its input (3 s), then calls the manager (2 s), then converts the result (1 s)."""
+
+    def __init__(self, clock: _FakeClock) -> None:
+        self.clock = clock
+        self.manager = _Manager(clock)
+
+    def build_connector_meta(self, out: Any) -> str:
+        self.clock.now += 3.0
+        meta = self.manager.build_connector_meta(out)
+        self.clock.now += 1.0
+        return meta
+
+
+def test_only_the_managers_own_call_is_timed_for_an_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _FakeClock()
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    adapter = _Adapter(clock)
+    own = bench.OwnClock(adapter)
+    assert own.measure(adapter.build_connector_meta, None) == ("meta", 2.0)
+    plain = _Manager(clock)  # a target without a manager: the whole call
+    assert bench.OwnClock(plain).measure(plain.build_connector_meta, None) == ("meta", 2.0)
+    assert bench.OwnClock(object()).measure(adapter.build_connector_meta, None) == ("meta", 6.0)
+
+
+def test_json_is_one_document_naming_the_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--quick", "--workload", "chat", "--scale", "8,4,64", "--steps", "1", "--policy",
+                 "repair", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)  # one document, nothing else on stdout
+    assert doc["policy"] == "repair" and doc["targets"] == ["impl", "model"]
+    assert [r["target"] for r in doc["rows"]] == ["impl", "model"]
+    assert all(r["policy"] == "repair" for r in doc["rows"]) and "plan_ratio_vs_model" in doc["rows"][0]
+
+
+def test_text_names_the_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--workload", "decode", "--scale", "8,4,64", "--steps", "1", "--policy",
+                 "signal-rescan"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("policy signal-rescan;") and all(ln.startswith("signal-rescan") for ln in lines[1:])
+
+
+def test_help_gives_every_default() -> None:
+    sub = build_parser()._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
+    for action in sub._actions:
+        if action.dest != "help":
+            assert action.help and "default" in action.help, action.option_strings
