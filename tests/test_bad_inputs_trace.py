@@ -324,9 +324,11 @@ def test_shipped_traces_read_whole_and_streamed_alike() -> None:
         first = json.loads(path.read_text().split("\n", 1)[0])
         tr = trace_io.read(path)
         assert tr.target == first["target"] and tr.seed == first["seed"] and tr.note == first["note"]
-        # versions 1 and 2 were written before async scheduling was modelled: read as synchronous
-        assert tr.config.to_json() == ({"async_scheduling": False, **first["config"]}
-                                       if first["kvspec_trace"] <= 2 else first["config"])
+        # versions 1 and 2 were written before async scheduling was modelled: read as synchronous;
+        # traces written before speculative decoding was modelled have none
+        recorded = {"num_speculative_tokens": 0, **first["config"]}
+        assert tr.config.to_json() == ({"async_scheduling": False, **recorded}
+                                       if first["kvspec_trace"] <= 2 else recorded)
         with trace_io.open_trace(path) as stream:
             assert stream.version == first["kvspec_trace"] and stream.config == tr.config
             assert stream.oracle == tr.oracle and stream.finding == tr.finding

@@ -302,6 +302,28 @@ def test_async_traces_reach_the_async_rules() -> None:
     preempted request appended on return, requests stopped at max_tokens in the processing step,
     the running pass passing over a request whose placeholders reach max_tokens, and a preemption
     refused because the victim's blocks are in flight."""
+    seen = _rules_reached(async_scheduling=True)
+    assert all(seen.get(rule) for rule in ENGINE_ASYNC_RULES), seen
+    print(f"\n[vllm scheduler lockstep] engine-async rules reached: {seen}")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_traces_reach_the_speculative_decoding_rules(async_scheduling: bool) -> None:
+    """The lockstep's traces with speculative decoding exercise its rules in both modes: drafts
+    scheduled, accepted and rejected (computed tokens lowered again), decodes admitted from the
+    waiting queue padded to 1 + k tokens and padding refused by the budget; under async
+    scheduling tokens accepted past max_tokens dropped, under sync scheduling the drafter's
+    proposals."""
+    seen = _rules_reached(async_scheduling)
+    rules = SPEC_RULES + (("tokens past max_tokens dropped",) if async_scheduling else ("drafts proposed",))
+    assert all(seen.get(rule) for rule in rules), seen
+    mode = "async" if async_scheduling else "sync"
+    print(f"\n[vllm scheduler lockstep] speculative-decoding rules reached ({mode}): "
+          f"{ {rule: seen[rule] for rule in rules} }")
+
+
+def _rules_reached(async_scheduling: bool) -> dict[str, int]:
+    """How often each rule the engine counts applied on the lockstep's random traces (seed 1)."""
     from dataclasses import replace
 
     from kvspec.drivers.divergence import FAMILIES, traces
@@ -310,17 +332,18 @@ def test_async_traces_reach_the_async_rules() -> None:
     seen: dict[str, int] = {}
     for family in FAMILIES:
         for config, ops in traces(family, 1, RANDOM_TRACES, 120):
-            side = EngineSide(replace(config, async_scheduling=True))
+            side = EngineSide(replace(config, async_scheduling=async_scheduling))
             for op in ops:
                 apply_op(side, op)
-            for name, n in side.engine.async_counts.items():
+            for name, n in side.engine.rule_counts.items():
                 seen[name] = seen.get(name, 0) + n
-    assert set(seen) == set(ENGINE_ASYNC_RULES) and all(seen.values()), seen
-    print(f"\n[vllm scheduler lockstep] engine-async rules reached: {seen}")
+    return seen
 
 
 ENGINE_ASYNC_RULES = ("deferred free", "stale output appended", "stop at max_tokens", "placeholders reach max_tokens",
                       "no preemption of a request in flight")
+SPEC_RULES = ("drafts scheduled", "drafts accepted", "drafts rejected", "decode padded",
+              "padded decode refused by the budget")
 
 
 def test_random_traces_of_async_scheduling_differ_for_known_causes() -> None:

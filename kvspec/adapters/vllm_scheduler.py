@@ -83,20 +83,23 @@ class SchedulerOptions:
 @dataclass
 class StepObservation:
     """One ``schedule()`` as both sides can report it: tokens per request in scheduling
-    order, preempted and finished ids, new and cached request data, connector metadata."""
+    order, preempted and finished ids, new and cached request data, draft tokens per request,
+    connector metadata."""
 
     scheduled: list[tuple[str, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     new_reqs: list[tuple[str, list[list[int]]]] = field(default_factory=list)
     cached_reqs: list[tuple[str, list[list[int]] | None, bool]] = field(default_factory=list)
+    drafts: dict[str, int] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON values (lists for tuples), for comparison and reports."""
         plain: dict[str, Any] = json.loads(json.dumps({
             "scheduled": self.scheduled, "preempted": self.preempted, "finished": self.finished,
-            "new_reqs": self.new_reqs, "cached_reqs": self.cached_reqs, "metadata": self.metadata,
+            "new_reqs": self.new_reqs, "cached_reqs": self.cached_reqs, "drafts": self.drafts,
+            "metadata": self.metadata,
         }))
         return plain
 
@@ -134,6 +137,7 @@ def observe_step(out: Any, meta: Any) -> StepObservation:
         new_reqs=[(nr.req_id, _block_lists(nr.block_ids) or []) for nr in out.scheduled_new_reqs],
         cached_reqs=[(rid, _block_lists(ids), rid in cached.resumed_req_ids)
                      for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True)],
+        drafts={rid: len(ids) for rid, ids in sorted((out.scheduled_spec_decode_tokens or {}).items())},
         metadata=metadata_json(meta),
     )
 
@@ -156,12 +160,13 @@ def _import_scheduler_vllm() -> SimpleNamespace:
             ModelConfig,
             ParallelConfig,
             SchedulerConfig,
+            SpeculativeConfig,
             VllmConfig,
         )
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.output import SchedulerOutput
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
         from vllm.v1.request import RequestStatus
         from vllm.v1.structured_output import StructuredOutputManager
     except ImportError as exc:
@@ -171,7 +176,8 @@ def _import_scheduler_vllm() -> SimpleNamespace:
     return SimpleNamespace(
         **vars(base), CacheConfig=CacheConfig, DeviceConfig=DeviceConfig, KVTransferConfig=KVTransferConfig,
         ModelConfig=ModelConfig, ParallelConfig=ParallelConfig, SchedulerConfig=SchedulerConfig,
-        VllmConfig=VllmConfig, AsyncScheduler=AsyncScheduler, Scheduler=Scheduler,
+        VllmConfig=VllmConfig, SpeculativeConfig=SpeculativeConfig, DraftTokenIds=DraftTokenIds,
+        AsyncScheduler=AsyncScheduler, Scheduler=Scheduler,
         EmptySchedulerOutput=SchedulerOutput.make_empty, ModelRunnerOutput=ModelRunnerOutput,
         RequestStatus=RequestStatus, StructuredOutputManager=StructuredOutputManager,
     )
@@ -201,7 +207,9 @@ def local_model_dir(world_size: int) -> Path:
 def build_vllm_config(v: SimpleNamespace, config: OffloadConfig, options: SchedulerOptions, page_bytes: int) -> Any:
     """A real ``VllmConfig`` for ``config``: the local model, chunked prefill with prefix caching,
     ``config.max_num_batched_tokens``, tensor parallelism ``config.world_size``, the
-    SimpleCPUOffloadConnector with exactly ``config.num_cpu_blocks`` CPU blocks. O(1)."""
+    SimpleCPUOffloadConnector with exactly ``config.num_cpu_blocks`` CPU blocks, and n-gram
+    speculative decoding with ``config.num_speculative_tokens`` drafts when that is not 0 (the
+    n-gram drafter needs no draft model). O(1)."""
     model = v.ModelConfig(model=str(local_model_dir(config.world_size)), skip_tokenizer_init=True,
                           dtype="float16", max_model_len=MAX_MODEL_LEN)
     scheduler = v.SchedulerConfig(
@@ -217,7 +225,10 @@ def build_vllm_config(v: SimpleNamespace, config: OffloadConfig, options: Schedu
         model_config=model, scheduler_config=scheduler,
         cache_config=v.CacheConfig(block_size=config.block_size, enable_prefix_caching=True),
         kv_transfer_config=transfer, device_config=v.DeviceConfig("cpu"),
-        parallel_config=v.ParallelConfig(tensor_parallel_size=config.world_size))
+        parallel_config=v.ParallelConfig(tensor_parallel_size=config.world_size),
+        speculative_config=v.SpeculativeConfig(method="ngram", num_speculative_tokens=config.num_speculative_tokens,
+                                               prompt_lookup_max=2, prompt_lookup_min=1)
+        if config.num_speculative_tokens else None)
     vllm_config.cache_config.num_gpu_blocks = config.num_gpu_blocks
     return vllm_config
 
@@ -227,10 +238,13 @@ def build_vllm_config(v: SimpleNamespace, config: OffloadConfig, options: Schedu
 
 @dataclass
 class _Batch:
-    """A scheduled batch whose output is not processed yet, and the requests it samples."""
+    """A scheduled batch whose output is not processed yet, the requests it samples, and those of
+    its draft tokens that only pad a request admitted from the waiting queue (no drafter proposed
+    them)."""
 
     output: Any
     sampling: list[str]
+    padded: set[str]
 
 
 class VllmScheduler:
@@ -290,11 +304,12 @@ class VllmScheduler:
         return bool(self.requests[rid].status == self.v.RequestStatus.RUNNING)
 
     def step(self, admit: list[str], chunk: int, preempt: list[str], resume: str,
-             budget: int | None = None) -> StepObservation:
+             budget: int | None = None, accept: int = 0) -> StepObservation:
         """One engine-core step (``EngineCore.step``, or ``step_with_batch_queue`` with two batches
         in flight): schedule a batch when the scheduler has requests, then process the oldest
-        batch's output once the queue is full or nothing else could be scheduled. ``preempt`` must
-        name running requests."""
+        batch's output once the queue is full or nothing else could be scheduled, each request
+        getting ``accept`` of its drafts accepted (``_process``). ``preempt`` must name running
+        requests."""
         self.last_step = StepObservation(metadata=metadata_json(None))
         self.last_step_idle = not self.scheduler.has_requests()
         if not self.last_step_idle:
@@ -303,13 +318,13 @@ class VllmScheduler:
                 self.scheduler._preempt_request(self.requests[rid], time.monotonic())
             out = self._schedule(admit, chunk, resume, budget)
             self.last_step = observe_step(out, out.kv_connector_metadata)
-            self.in_flight.appendleft(_Batch(out, self._sampling(out)))
+            self.in_flight.appendleft(_Batch(out, self._sampling(out), self._padded(out)))
             if len(self.in_flight) < self.batch_queue_size and (
                     out.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()):
                 return self.last_step
         elif not self.in_flight:
             return self.last_step  # engine core does not step an idle scheduler
-        self._process(self.in_flight.pop())
+        self._process(self.in_flight.pop(), accept)
         return self.last_step
 
     def _schedule(self, admit: list[str], chunk: int, resume: str, budget: int | None) -> Any:
@@ -356,14 +371,41 @@ class VllmScheduler:
                 sampling.append(rid)
         return sampling
 
-    def _process(self, batch: _Batch) -> None:
-        """``update_from_output`` of a batch with the engine's sampled tokens."""
+    @staticmethod
+    def _padded(out: Any) -> set[str]:
+        """Requests with draft tokens that ``schedule()`` took from the waiting queue (new, or
+        resumed): their drafts are padding, since only a request that ran before has proposals."""
+        from_waiting = {nr.req_id for nr in out.scheduled_new_reqs} | set(out.scheduled_cached_reqs.resumed_req_ids)
+        return set(out.scheduled_spec_decode_tokens) & from_waiting
+
+    def _process(self, batch: _Batch, accept: int) -> None:
+        """``update_from_output`` of a batch with the engine's sampled tokens: for each sampling
+        request the next token, plus ``accept`` accepted drafts (at most as many as it had, none of
+        a padding, and without auto-finish none past ``max_tokens``). Synchronous scheduling with
+        drafts: then the drafter's proposals (``update_draft_token_ids``), k for each request of the
+        batch still below ``max_tokens``, none for the others."""
         rids = list(batch.output.num_scheduled_tokens)
-        sampled = [[self.next_token(rid, self.requests[rid].num_output_tokens)] if rid in batch.sampling else []
-                   for rid in rids]
+        sampled = [self._sampled(batch, rid, accept) if rid in batch.sampling else [] for rid in rids]
         output = self.v.ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
                                           sampled_token_ids=sampled)
         self.scheduler.update_from_output(batch.output, output)
+        k = self.config.num_speculative_tokens
+        if k and not self.async_scheduling and rids:
+            proposals = []
+            for rid, tokens in zip(rids, sampled, strict=True):
+                n = self.requests[rid].num_output_tokens
+                proposals.append([self.next_token(rid, n + i) for i in range(k)]
+                                 if tokens and n < self.max_tokens[rid] else [])
+            self.scheduler.update_draft_token_ids(self.v.DraftTokenIds(req_ids=rids, draft_token_ids=proposals))
+
+    def _sampled(self, batch: _Batch, rid: str, accept: int) -> list[int]:
+        """The tokens the fake model returns for ``rid``: its next one and its accepted drafts."""
+        n = self.requests[rid].num_output_tokens
+        drafts = len(batch.output.scheduled_spec_decode_tokens.get(rid, ()))
+        accepted = 0 if rid in batch.padded else min(accept, drafts)
+        if not self.auto_finish:
+            accepted = min(accepted, self.max_tokens[rid] - n - 1)
+        return [self.next_token(rid, n + i) for i in range(1 + accepted)]
 
     def report(self, event: int, count: int) -> None:
         """``count`` ranks report store ``event`` done."""

@@ -23,8 +23,9 @@ MAX_WORLD_SIZE = 64
 MAX_BATCHED_TOKENS = 1 << 20
 MAX_GROUPS = 8
 MAX_SLIDING_WINDOW = 1 << 20
+MAX_SPECULATIVE_TOKENS = 8
 CONFIG_KEYS = ("block_size", "num_gpu_blocks", "num_cpu_blocks", "groups", "world_size", "lazy_offload",
-               "max_num_batched_tokens", "policy", "async_scheduling")
+               "max_num_batched_tokens", "policy", "async_scheduling", "num_speculative_tokens")
 _REQUIRED_KEYS = ("block_size", "num_gpu_blocks", "num_cpu_blocks")
 _GROUP_KEYS = ("kind", "sliding_window")
 
@@ -50,7 +51,7 @@ def _check_group(kind: object, sliding_window: object, where: str) -> None:
 
 def _check_config(block_size: object, num_gpu_blocks: object, num_cpu_blocks: object, groups: object,
                   world_size: object, lazy_offload: object, max_num_batched_tokens: object, policy: object,
-                  async_scheduling: object, where: str) -> None:
+                  async_scheduling: object, num_speculative_tokens: object, where: str) -> None:
     """Every field of an :class:`OffloadConfig`; ``where`` prefixes the field names
     (``"config."`` for a file). Raises ``ConfigError`` naming the first bad field."""
     _check_int(block_size, f"{where}block_size", 1, MAX_BLOCK_SIZE)
@@ -77,6 +78,7 @@ def _check_config(block_size: object, num_gpu_blocks: object, num_cpu_blocks: ob
         raise ConfigError(f"{where}policy: unknown policy {echo(policy)}; known: {', '.join(POLICIES)}")
     if not isinstance(async_scheduling, bool):
         raise ConfigError(f"{where}async_scheduling: expected true or false, got {echo(async_scheduling)}")
+    _check_int(num_speculative_tokens, f"{where}num_speculative_tokens", 0, MAX_SPECULATIVE_TOKENS)
     if lazy_offload and policy != "baseline":
         raise ConfigError(f"{where}lazy_offload: lazy offload has no per-request store state: "
                           "use policy 'baseline'")
@@ -116,6 +118,10 @@ class OffloadConfig:
     vLLM 0.33.0 resolves it to True for generative models, so that is the default; False is
     vLLM's synchronous ``Scheduler``. It is the engine's, not the target's: every target runs
     under either.
+
+    ``num_speculative_tokens`` is vLLM's n-gram speculative decoding (``SpeculativeConfig(method=
+    "ngram")``): each decode step verifies up to that many draft tokens, rejected drafts lower the
+    computed tokens again. 0 (the default): no speculative decoding. Also the engine's.
     """
 
     block_size: int = 16
@@ -127,6 +133,7 @@ class OffloadConfig:
     max_num_batched_tokens: int = 64
     policy: str = "repair"
     async_scheduling: bool = True
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -134,7 +141,8 @@ class OffloadConfig:
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first bad field (run by the constructor)."""
         _check_config(self.block_size, self.num_gpu_blocks, self.num_cpu_blocks, self.groups, self.world_size,
-                      self.lazy_offload, self.max_num_batched_tokens, self.policy, self.async_scheduling, "")
+                      self.lazy_offload, self.max_num_batched_tokens, self.policy, self.async_scheduling,
+                      self.num_speculative_tokens, "")
 
     @property
     def num_groups(self) -> int:
@@ -163,6 +171,7 @@ class OffloadConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "policy": self.policy,
             "async_scheduling": self.async_scheduling,
+            "num_speculative_tokens": self.num_speculative_tokens,
         }
 
     @staticmethod
@@ -206,6 +215,7 @@ class OffloadConfig:
             "max_num_batched_tokens": d.get("max_num_batched_tokens", 64),
             "policy": d.get("policy", "repair"),
             "async_scheduling": d.get("async_scheduling", True),
+            "num_speculative_tokens": d.get("num_speculative_tokens", 0),
         }
         _check_config(**fields, where=f"{where}.")
         return OffloadConfig(**fields)

@@ -55,6 +55,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)  # draft tokens per request
 
 
 def yield_req_data(out: SchedulerOutput) -> Iterator[tuple[str, BlockIds | None, bool]]:

@@ -305,7 +305,8 @@ def random_config(rng: random.Random, family: str) -> OffloadConfig:
     1-3, eager or lazy. ``mixed`` draws pools of every size; ``pressure`` has GPU pools near one
     request's need (preemption); ``small-cpu`` CPU pools below the working set; ``window-hits`` a
     sliding-window group always, a large CPU pool and a GPU pool small enough for its cached blocks
-    to be evicted (CPU hits)."""
+    to be evicted (CPU hits). Every family has n-gram speculative decoding with 1-3 drafts in 3 of
+    5 configurations."""
     bs = rng.choice([1, 2, 3, 4, 5, 8, 16])
     groups = [KVGroup()]
     extra = rng.choice([1, 1, 2]) if family == "window-hits" else rng.choice([0, 0, 1, 1, 2])
@@ -318,7 +319,7 @@ def random_config(rng: random.Random, family: str) -> OffloadConfig:
     return OffloadConfig(block_size=bs, num_gpu_blocks=rng.randint(*gpu_per_group) * len(groups),
                          num_cpu_blocks=rng.randint(*cpu), groups=tuple(groups), world_size=rng.choice([1, 2, 3]),
                          lazy_offload=rng.random() < 0.25, max_num_batched_tokens=rng.choice([bs, 4 * bs, 64]),
-                         policy="baseline")
+                         policy="baseline", num_speculative_tokens=rng.choice([0, 0, 1, 2, 3]))
 
 
 FAMILIES = ("mixed", "pressure", "small-cpu", "window-hits")

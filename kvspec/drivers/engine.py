@@ -130,17 +130,24 @@ def _handler_signature(driver_type: type, name: str) -> inspect.Signature:
 
 
 def check_step_args(admit: object, chunk: object, preempt: object, resume: object, budget: object,
-                    status_of: Callable[[object], str]) -> tuple[list[str], list[str]]:
+                    status_of: Callable[[object], str], accept: object = 0,
+                    num_speculative_tokens: int = 0) -> tuple[list[str], list[str]]:
     """The checks of a ``step`` operation's arguments, shared by every driver that takes the
-    engine's operations: request lists, a chunk of 1..MAX_PROMPT_TOKENS, a budget of None or
-    1..MAX_BATCHED_TOKENS, the resume mode, only running requests preempted (vLLM preempts only
-    what runs: a request whose load completed and that waits to be scheduled cannot be), only
-    waiting or preempted ones admitted, no request repeated. ``status_of`` reads a request's
-    status. Returns (admit, preempt); changes nothing."""
+    engine's operations: request lists, a chunk of 1..MAX_PROMPT_TOKENS (with speculative decoding,
+    at least the 1 + k rows of a padded decode: vLLM asserts that a padded decode keeps them all,
+    and a long-prefill threshold below that would cut it), a budget of None or
+    1..MAX_BATCHED_TOKENS, the resume mode, ``accept`` in 0..k (k = ``num_speculative_tokens``),
+    only running requests preempted (vLLM preempts only what runs: a request whose load completed
+    and that waits to be scheduled cannot be), only waiting or preempted ones admitted, no request
+    repeated. ``status_of`` reads a request's status. Returns (admit, preempt); changes nothing."""
     admit_ids, preempt_ids = _request_list(admit, "admit"), _request_list(preempt, "preempt")
-    check_count(chunk, "chunk", MAX_PROMPT_TOKENS)
+    chunk = check_count(chunk, "chunk", MAX_PROMPT_TOKENS)
     if chunk == 0:
         raise InvalidCountError("chunk must be >= 1")
+    if num_speculative_tokens and chunk <= num_speculative_tokens:
+        raise InvalidCountError(f"chunk must be >= {1 + num_speculative_tokens} (a decode with "
+                                f"{num_speculative_tokens} draft tokens), got {echo(chunk)}")
+    check_count(accept, "accept", num_speculative_tokens)
     if budget is not None:
         check_count(budget, "budget", MAX_BATCHED_TOKENS)
         if budget == 0:
@@ -184,12 +191,26 @@ class StepBudget:
 
 
 @dataclass
+class Drafts:
+    """Speculative decoding in one ``schedule()``: the draft tokens scheduled per request (vLLM's
+    ``scheduled_spec_decode_tokens``), those that only pad a decode admitted from the waiting queue
+    (no drafter proposed them: they are all rejected), and what the waiting pass's padding rule reads
+    of the running pass (a request still prefilling was scheduled; anything was scheduled)."""
+
+    scheduled: dict[str, int] = field(default_factory=dict)
+    padded: set[str] = field(default_factory=set)
+    prefill_scheduled: bool = False
+    running_scheduled: bool = False
+
+
+@dataclass
 class Batch:
     """A scheduled batch whose output is not processed yet: tokens per request (scheduling order),
-    the requests it samples a token for, and whether it scheduled anything."""
+    the requests it samples a token for, and its draft tokens."""
 
     scheduled: dict[str, int]
     sampling: list[str]
+    drafts: Drafts = field(default_factory=Drafts)
 
     @property
     def total(self) -> int:
@@ -219,6 +240,8 @@ class EngineRequest:
     num_in_flight_tokens: int = 0  # scheduled in batches whose output is not processed yet
     num_stale_output_tokens: int = 0  # of those, scheduled before a preemption (output appended on return)
     last_sched_seq: int = 0  # the scheduled-step sequence number of the last batch that scheduled it
+    num_spec_tokens: int = 0  # vLLM len(spec_token_ids): drafts (async: their placeholders) to verify next
+    is_prefill_chunk: bool = False  # as of its last schedule: still prefilling (it sampled nothing)
 
     def __post_init__(self) -> None:
         self.table = [[] for _ in range(self.num_groups)]
@@ -272,6 +295,7 @@ class Engine:
         self.gpu = target.gpu_pool
         self.B = self.config.block_size
         self.G = self.config.num_groups
+        self.K = self.config.num_speculative_tokens  # draft tokens per decode step (0: no speculative decoding)
         self.requests: dict[str, EngineRequest] = {}  # every request ever added, in creation order
         self.live: dict[str, EngineRequest] = {}  # those not finished, or still holding blocks for a load
         self.running: list[str] = []  # vLLM's running queue: admission (or resumption) order
@@ -295,7 +319,7 @@ class Engine:
         self.processed_step_seq = 0  # non-empty batches processed
         # (fence, blocks in allocation order, those of them at confirmed positions when set aside)
         self.deferred_frees: deque[tuple[int, list[int], set[int]]] = deque()
-        self.async_counts: Counter[str] = Counter()  # how often each async-scheduling rule applied
+        self.rule_counts: Counter[str] = Counter()  # how often each async or speculative-decoding rule applied
         self.step_index = 0
         self.last_op: str | None = None
         self.last_result: Any = None
@@ -342,7 +366,7 @@ class Engine:
             rid, family, prompt_tokens(family, prompt_len), max_tokens, self.B, self.G, serial=self.num_added)
 
     def op_step(self, admit: list[str] | None = None, chunk: int = 64, preempt: list[str] | None = None,
-                resume: str = "mrv1", budget: int | None = None) -> ConnectorMetadata:
+                resume: str = "mrv1", budget: int | None = None, accept: int = 0) -> ConnectorMetadata:
         """One engine step: ``schedule()``, ``build_connector_meta``, forward, sample.
 
         ``schedule()`` follows vLLM's ``Scheduler.schedule`` (synchronous): the named preemptions,
@@ -353,28 +377,32 @@ class Engine:
         the waiting pass. ``chunk`` is vLLM's ``long_prefill_token_threshold`` and ``budget`` the
         step's token budget (``max_num_batched_tokens``): with a budget, vLLM drops the threshold
         when at most one request is eligible; without one, every request is capped by ``chunk``
-        and the step by nothing else. Engine core does not step a scheduler that has no request
-        (``has_requests``): such a step does nothing and returns empty metadata."""
-        admit, preempt = check_step_args(admit, chunk, preempt, resume, budget, self.status)
+        and the step by nothing else. ``accept``: with speculative decoding, how many of its draft
+        tokens each request of the batch processed in this step gets accepted (at most as many as
+        it had; padding drafts are always rejected). Engine core does not step a scheduler that
+        has no request (``has_requests``): such a step does nothing and returns empty metadata."""
+        admit, preempt = check_step_args(admit, chunk, preempt, resume, budget, self.status, accept, self.K)
         if not self._has_requests():
             self.converging_step = False
             if self.in_flight:  # engine core still drains the batch queue
-                self._process(self.in_flight.pop())
+                self._process(self.in_flight.pop(), accept)
             return ConnectorMetadata()
 
         self.converging_step = not admit and self._quiescent()
         out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData())
         scheduled: dict[str, int] = {}
+        drafts = Drafts()
         resumed_new: list[NewRequestData] = []  # mrv2: resumed requests go after the new ones
         for rid in preempt:
             self._preempt(self.requests[rid])
         eligible = len(self.running) + len(self.holding) + len(admit)
         tokens = StepBudget(budget, chunk if budget is None or eligible > 1 else 0)
-        if not self._schedule_running(tokens, out, scheduled):
-            self._schedule_waiting(admit, tokens, resume, out, scheduled, resumed_new)
+        if not self._schedule_running(tokens, out, scheduled, drafts):
+            self._schedule_waiting(admit, tokens, resume, out, scheduled, resumed_new, drafts)
         out.scheduled_new_reqs.extend(resumed_new)
         self.converging_step = self.converging_step and not scheduled
         out.num_scheduled_tokens = dict(scheduled)
+        out.scheduled_spec_decode_tokens = {rid: [-1] * n for rid, n in drafts.scheduled.items()}
         out.preempted_req_ids = set(self.preempted_since_step)
         out.finished_req_ids = set(self.finished_since_step)
         pre = self.snapshot()
@@ -383,22 +411,23 @@ class Engine:
         self.last_plan = observe_plan(pre, self.target.snapshot(),
                                       list((Counter(meta.store_gpu_blocks) - queued).elements()))
         self._after_build(meta)
-        batch = self._update_after_schedule(scheduled)
+        batch = self._update_after_schedule(scheduled, drafts)
         self._forward(scheduled, meta)
         self.preempted_since_step.clear()
         self.finished_since_step.clear()
         self.step_index += 1
         self.in_flight.appendleft(batch)
         if len(self.in_flight) >= self.batch_queue_size or (batch.total == 0 and not self._has_requests()):
-            stopped = self._process(self.in_flight.pop())
+            stopped = self._process(self.in_flight.pop(), accept)
             # a request that stopped here queued its finish flush after the planning: not quiescent
             self.converging_step = self.converging_step and not stopped
         return meta
 
-    def _update_after_schedule(self, scheduled: dict[str, int]) -> Batch:
+    def _update_after_schedule(self, scheduled: dict[str, int], drafts: Drafts) -> Batch:
         """vLLM ``_update_after_schedule``: computed and in-flight tokens advance; a request that is
-        no longer prefilling will sample (under async scheduling it counts a placeholder for that
-        token) and leaves the in-flight prefills. O(scheduled)."""
+        no longer prefilling will sample and leaves the in-flight prefills; under async scheduling it
+        counts a placeholder for the token it samples and one per draft scheduled, and gets k draft
+        placeholders to verify next (the drafter fills them in on the workers). O(scheduled)."""
         if self.defer_block_free and scheduled:
             self.sched_step_seq += 1
         sampling = []
@@ -407,20 +436,27 @@ class Engine:
             r.num_computed_tokens += n
             r.num_in_flight_tokens += n
             r.last_sched_seq = self.sched_step_seq
-            if r.num_computed_tokens >= r.num_tokens + r.num_output_placeholders:  # vLLM: not is_prefill_chunk
+            r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens + r.num_output_placeholders
+            if not r.is_prefill_chunk:
                 self.inflight_prefills.discard(rid)
                 sampling.append(rid)
                 if self.async_scheduling:
-                    r.num_output_placeholders += 1
-        return Batch(dict(scheduled), sampling)
+                    r.num_output_placeholders += 1 + drafts.scheduled.get(rid, 0)
+                    r.num_spec_tokens = self.K
+        return Batch(dict(scheduled), sampling, drafts)
 
-    def _process(self, batch: Batch) -> bool:
+    def _process(self, batch: Batch, accept: int) -> bool:
         """vLLM ``update_from_output`` of ``batch`` with the engine's sampled tokens: deferred frees
         whose batch is now processed go back to the pool; in-flight (and stale) counts drain; each
-        sampling request still unfinished gets its token (stale output too, without touching its
-        placeholders); under async scheduling the newly confirmed full blocks are cached and a
-        request that reached ``max_tokens`` stops and finishes. Returns whether one did. O(batch + its
-        requests' tables)."""
+        sampling request still unfinished gets its token, plus ``accept`` of its drafts (at most as
+        many as it had, none of a padding, and under synchronous scheduling none past
+        ``max_tokens``): the rejected drafts come off its computed tokens and placeholders (not for
+        stale output, which is appended without touching either). Under async scheduling, or with
+        speculative decoding, the newly confirmed full blocks are cached; under async scheduling a
+        request that reached ``max_tokens`` stops there (tokens past it are dropped and uncounted)
+        and finishes. Under synchronous scheduling the drafter then proposes k drafts for every
+        request of the batch that is still below ``max_tokens`` (none for the others). Returns
+        whether a request stopped. O(batch + its requests' tables)."""
         stopped = False
         if self.defer_block_free and batch.total > 0:
             self.processed_step_seq += 1
@@ -435,20 +471,55 @@ class Engine:
             if stale:
                 r.num_stale_output_tokens -= n
             if rid not in batch.sampling or (not self.async_scheduling and len(r.output) >= r.max_tokens):
+                self._propose_drafts(r, sampled=False)
                 continue
-            confirming = not stale and r.status == RUNNING and r.num_output_placeholders > 0
-            r.append_output_token()
+            drafts = batch.drafts.scheduled.get(rid, 0)
+            accepted = 0 if rid in batch.drafts.padded else min(accept, drafts)
+            if not self.async_scheduling:
+                accepted = min(accepted, r.max_tokens - len(r.output) - 1)
+            if drafts and not stale:
+                self.rule_counts["drafts rejected"] += drafts - accepted
+                self.rule_counts["drafts accepted"] += accepted
+                if r.num_computed_tokens > 0:
+                    r.num_computed_tokens -= drafts - accepted
+                if r.num_output_placeholders > 0:
+                    r.num_output_placeholders -= drafts - accepted
+            confirming = not stale and r.status == RUNNING and (r.num_output_placeholders > 0 or self.K > 0)
+            stop = self._append_output(r, 1 + accepted, stale)
             if stale:
-                self.async_counts["stale output appended"] += 1
+                self.rule_counts["stale output appended"] += 1
             if not stale and r.num_output_placeholders > 0:
-                r.num_output_placeholders -= 1
+                r.num_output_placeholders -= 1 + accepted
             if confirming:
                 self._cache_blocks(r, r.num_computed_tokens - r.num_in_flight_tokens)
-            if self.async_scheduling and len(r.output) >= max(1, r.max_tokens):
+            if stop:
                 self._finish(r)  # vLLM's check_stop: the length cap
-                self.async_counts["stop at max_tokens"] += 1
+                self.rule_counts["stop at max_tokens"] += 1
                 stopped = True
+            else:
+                self._propose_drafts(r, sampled=True)
         return stopped
+
+    def _append_output(self, r: EngineRequest, count: int, stale: bool) -> bool:
+        """vLLM ``_update_request_with_output``: append up to ``count`` sampled tokens; under async
+        scheduling stop at ``max_tokens`` (the tokens past it are dropped and, unless the output is
+        stale, come off the computed tokens). Returns whether ``r`` stopped. O(count)."""
+        for i in range(count):
+            r.append_output_token()
+            if self.async_scheduling and len(r.output) >= max(1, r.max_tokens):
+                if not stale:
+                    r.num_computed_tokens -= count - (i + 1)
+                self.rule_counts["tokens past max_tokens dropped"] += count - (i + 1)
+                return True
+        return False
+
+    def _propose_drafts(self, r: EngineRequest, sampled: bool) -> None:
+        """Synchronous scheduling with speculative decoding (vLLM ``update_draft_token_ids`` after the
+        step): a request still prefilling drops its drafts; the drafter proposes k for a request that
+        sampled and is below ``max_tokens``, none otherwise. O(1)."""
+        if self.K and not self.async_scheduling:
+            r.num_spec_tokens = self.K if sampled and not r.is_prefill_chunk and len(r.output) < r.max_tokens else 0
+            self.rule_counts["drafts proposed"] += r.num_spec_tokens
 
     def _has_requests(self) -> bool:
         """vLLM's ``Scheduler.has_requests``: an unfinished request, a finish not yet reported to a
@@ -581,6 +652,7 @@ class Engine:
             self.running.remove(r.request_id)
         self.inflight_prefills.discard(r.request_id)
         r.num_computed_tokens = 0
+        r.num_spec_tokens = 0
         r.num_stale_output_tokens = r.num_in_flight_tokens
         r.num_output_placeholders = 0
         r.status = PREEMPTED
@@ -608,7 +680,7 @@ class Engine:
         ready = (r.num_computed_tokens - r.num_output_placeholders) // self.B
         if blocks:
             self.deferred_frees.append((self.sched_step_seq, blocks, {b for t in r.table for b in t[:ready]}))
-            self.async_counts["deferred free"] += 1
+            self.rule_counts["deferred free"] += 1
         r.table = [[] for _ in range(self.G)]
 
     def _reaches_max_tokens(self, r: EngineRequest) -> bool:
@@ -617,7 +689,7 @@ class Engine:
         reaches = (r.num_output_placeholders > 0
                    and r.num_computed_tokens + 2 - r.num_output_placeholders >= len(r.prompt) + max(1, r.max_tokens))
         if reaches:
-            self.async_counts["placeholders reach max_tokens"] += 1
+            self.rule_counts["placeholders reach max_tokens"] += 1
         return reaches
 
     def _skipped(self, g: int, num_computed_tokens: int) -> int:
@@ -678,9 +750,18 @@ class Engine:
             r.table[g].extend(new[g])
         return new
 
+    @property
+    def _spec_step_blocks(self) -> int:
+        """vLLM ``_spec_decode_step_blocks``: the blocks one decode step with k drafts may need in
+        every group, which an async load's admission leaves free beside the in-flight reservations
+        (0 without speculative decoding). O(1)."""
+        return self.G * -(-(1 + self.K) // self.B) if self.K else 0
+
     def _remaining_blocks(self, r: EngineRequest) -> int:
-        """vLLM ``_request_remaining_blocks``: what ``r`` still needs to hold its whole sequence."""
-        return self._blocks_to_grow(r, r.num_tokens, capped=True)
+        """vLLM ``_request_remaining_blocks``: what ``r`` still needs to hold its whole sequence and,
+        with speculative decoding, one decode step of 1 + k tokens past it (capped as admission
+        is)."""
+        return self._blocks_to_grow(r, r.num_tokens + (1 + self.K if self.K else 0), capped=True)
 
     def _cache_blocks(self, r: EngineRequest, num_tokens: int) -> None:
         """Hash the full blocks covering ``num_tokens`` (at schedule time, like vLLM)."""
@@ -691,19 +772,21 @@ class Engine:
                 if b != NULL_BLOCK and self.gpu.block_hash[b] is None:
                     self.gpu.insert_block_hash((r.block_hashes[p], g), b)
 
-    def _schedule_running(self, tokens: StepBudget, out: SchedulerOutput, scheduled: dict[str, int]) -> bool:
+    def _schedule_running(self, tokens: StepBudget, out: SchedulerOutput, scheduled: dict[str, int],
+                          drafts: Drafts) -> bool:
         """vLLM's running pass, in the running queue's order, while the budget lasts: a request with
         tokens to compute gets its share (out-of-window blocks freed first); when its allocation fails the queue's
         last request is preempted and the allocation retried, until it succeeds or the request
         preempted itself, which ends the pass (as does a last request whose blocks a batch in flight
         still writes). A request with nothing to compute, or whose placeholders already reach its
-        ``max_tokens``, is passed over untouched. Returns whether anything was preempted (then
-        nobody is admitted this step)."""
+        ``max_tokens``, is passed over untouched. A request's drafts count among the tokens it needs;
+        those the share covers are scheduled, and it keeps none. Returns whether anything was
+        preempted (then nobody is admitted this step)."""
         preempted = False
         i = 0
         while i < len(self.running) and tokens.open():
             r = self.requests[self.running[i]]
-            need = r.num_tokens + r.num_output_placeholders - r.num_computed_tokens
+            need = r.num_tokens + r.num_spec_tokens + r.num_output_placeholders - r.num_computed_tokens
             if need <= 0 or self._reaches_max_tokens(r):
                 i += 1
                 continue
@@ -711,7 +794,7 @@ class Engine:
             while (new := self._grow(r, r.num_computed_tokens + n)) is None:
                 victim = self.requests[self.running[-1]]
                 if not self._blocks_can_be_freed(victim):
-                    self.async_counts["no preemption of a request in flight"] += 1
+                    self.rule_counts["no preemption of a request in flight"] += 1
                     break  # vLLM: a deferred free would not make room now
                 self._preempt(victim)
                 preempted = True
@@ -724,11 +807,19 @@ class Engine:
             out.scheduled_cached_reqs.new_block_ids.append(tuple(new) if any(new) else None)
             scheduled[r.request_id] = n
             tokens.spend(n)
+            drafts.running_scheduled = True
+            drafts.prefill_scheduled |= r.is_prefill_chunk
+            if r.num_spec_tokens:
+                covered = n + r.num_computed_tokens - r.num_tokens - r.num_output_placeholders
+                if covered > 0:
+                    drafts.scheduled[r.request_id] = min(r.num_spec_tokens, covered)
+                    self.rule_counts["drafts scheduled"] += drafts.scheduled[r.request_id]
+                r.num_spec_tokens = 0
             i += 1
         return preempted
 
     def _schedule_waiting(self, admit: list[str], tokens: StepBudget, resume: str, out: SchedulerOutput,
-                          scheduled: dict[str, int], resumed_new: list[NewRequestData]) -> None:
+                          scheduled: dict[str, int], resumed_new: list[NewRequestData], drafts: Drafts) -> None:
         """vLLM's waiting pass, while the budget lasts: the requests holding a load first (one still
         loading is passed over), then the admissions (one whose output from before a preemption is
         still in flight is passed over); the first allocation that fails ends it."""
@@ -736,7 +827,8 @@ class Engine:
             r = self.requests[rid]
             if not tokens.open():
                 return
-            if r.status == LOADED and not self._schedule_loaded(r, tokens, resume, out, scheduled, resumed_new):
+            if r.status == LOADED and not self._schedule_loaded(r, tokens, resume, out, scheduled, resumed_new,
+                                                                drafts):
                 return
         for rid in admit:
             r = self.requests[rid]
@@ -744,7 +836,7 @@ class Engine:
                 return
             if r.num_stale_output_tokens > 0:
                 continue  # vLLM: its output from before the preemption is still in flight
-            if not self._admit(r, tokens, resume, out, scheduled, resumed_new):
+            if not self._admit(r, tokens, resume, out, scheduled, resumed_new, drafts):
                 return
 
     def _start(self, r: EngineRequest, n: int, resume: str, out: SchedulerOutput, scheduled: dict[str, int],
@@ -767,17 +859,38 @@ class Engine:
             out.scheduled_new_reqs.append(NewRequestData(r.request_id, full))
         scheduled[r.request_id] = n
 
+    def _padded(self, r: EngineRequest, computed: int, tokens: StepBudget, drafts: Drafts) -> int | None:
+        """vLLM pads a request from the waiting queue with one token left to compute (a full hit, a
+        resumed decode) to 1 + k tokens, k padding drafts, when nothing still prefilling was scheduled
+        in the running pass and either something was or it has computed tokens: returns 1 + k, or
+        -1 when the budget cannot hold them (vLLM then ends the waiting pass rather than schedule it
+        unpadded); None when no padding applies. O(1)."""
+        if not (self.K and r.num_tokens - computed == 1 and not drafts.prefill_scheduled
+                and (drafts.running_scheduled or computed > 0)):
+            return None
+        if tokens.left is not None and 1 + self.K > tokens.left:
+            self.rule_counts["padded decode refused by the budget"] += 1
+            return -1
+        self.rule_counts["decode padded"] += 1
+        drafts.scheduled[r.request_id] = self.K
+        drafts.padded.add(r.request_id)
+        return 1 + self.K
+
     def _schedule_loaded(self, r: EngineRequest, tokens: StepBudget, resume: str, out: SchedulerOutput,
-                         scheduled: dict[str, int], resumed_new: list[NewRequestData]) -> bool:
+                         scheduled: dict[str, int], resumed_new: list[NewRequestData], drafts: Drafts) -> bool:
         """A request whose load completed (vLLM ``_update_waiting_for_remote_kv``, then the "already
-        computed" branch): cache the loaded blocks, recompute the last token of a full hit, then
-        allocate the chunk (whole sequence first) and ``update_state_after_alloc(.., 0)``.
-        False: the GPU pool is short; it stays loaded and the waiting pass ends."""
+        computed" branch): cache the loaded blocks, recompute the last token of a full hit (padded
+        with drafts, ``_padded``), then allocate the chunk (whole sequence first) and
+        ``update_state_after_alloc(.., 0)``. False: the GPU pool or the budget is short; it stays
+        loaded and the waiting pass ends."""
         self._cache_blocks(r, r.num_computed_tokens)
         if r.num_computed_tokens == r.num_tokens:
             r.num_computed_tokens -= 1
-        n = tokens.share(r.num_tokens - r.num_computed_tokens)
-        if self._grow(r, r.num_computed_tokens + n, reserve_full=True) is None:
+        n = self._padded(r, r.num_computed_tokens, tokens, drafts)
+        if n is None:
+            n = tokens.share(r.num_tokens - r.num_computed_tokens)
+        if n < 0 or self._grow(r, r.num_computed_tokens + n, reserve_full=True) is None:
+            self._unpad(r, drafts)
             return False
         self.target.update_state_after_alloc(r, tuple(list(t) for t in r.table), 0)
         self._cache_blocks(r, r.num_computed_tokens + n)
@@ -799,8 +912,13 @@ class Engine:
             total += sum(1 for b in local_blocks[g][skipped:] if b != NULL_BLOCK and self.gpu.ref_cnt[b] == 0)
         return total
 
+    def _unpad(self, r: EngineRequest, drafts: Drafts) -> None:
+        """``r`` was not scheduled after all: no padding drafts for it."""
+        drafts.scheduled.pop(r.request_id, None)
+        drafts.padded.discard(r.request_id)
+
     def _admit(self, r: EngineRequest, tokens: StepBudget, resume: str, out: SchedulerOutput,
-               scheduled: dict[str, int], resumed_new: list[NewRequestData]) -> bool:
+               scheduled: dict[str, int], resumed_new: list[NewRequestData], drafts: Drafts) -> bool:
         """GPU hit, connector hit, ``allocate_slots``, ``update_state_after_alloc``. The whole
         sequence must fit (vLLM's ``scheduler_reserve_full_isl``, on by default); a CPU hit is an
         asynchronous load, admitted only beside the blocks that in-flight prefills still need.
@@ -813,12 +931,16 @@ class Engine:
         local_blocks = [list(blocks[: local_len // self.B]) for blocks in local_blocks]
         ext, is_async = self.target.get_num_new_matched_tokens(r, local_len)
         computed = local_len + ext
-        n = 0 if is_async else tokens.share(r.num_tokens - computed)
+        n = 0 if is_async else self._padded(r, computed, tokens, drafts)
+        if n is None:
+            n = tokens.share(r.num_tokens - computed)
         free = self.gpu.get_num_free_blocks()
-        if self._admission_blocks(local_blocks, local_len, computed, r.num_tokens, capped=True) > free:
-            return False
-        reserved = sum(self._remaining_blocks(self.requests[q]) for q in self.inflight_prefills) if is_async else 0
-        if self._admission_blocks(local_blocks, local_len, computed, computed + n, capped=False) > free - reserved:
+        reserved = (sum(self._remaining_blocks(self.requests[q]) for q in self.inflight_prefills)
+                    + self._spec_step_blocks) if is_async else 0
+        whole = self._admission_blocks(local_blocks, local_len, computed, r.num_tokens, capped=True)
+        if n < 0 or whole > free or self._admission_blocks(local_blocks, local_len, computed, computed + n,
+                                                           capped=False) > free - reserved:
+            self._unpad(r, drafts)
             return False
         r.table = []
         for g in range(self.G):

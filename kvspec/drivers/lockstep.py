@@ -33,7 +33,7 @@ from kvspec.drivers.engine import FINISHED, Engine
 from kvspec.drivers.harness import first_difference
 from kvspec.drivers.scheduler_driver import OutsideVllmError, VllmSchedulerDriver
 
-STEP_SECTIONS = ("scheduled", "preempted", "finished", "new_reqs", "cached_reqs", "metadata")
+STEP_SECTIONS = ("scheduled", "preempted", "finished", "new_reqs", "cached_reqs", "drafts", "metadata")
 STATE_SECTIONS = ("requests", "gpu_pool", "cpu_pool", "scheduler")
 REQUEST_FIELDS = ("status", "num_tokens", "num_computed_tokens", "num_output_placeholders", "table")
 

@@ -159,8 +159,9 @@ class HypothesisChoices:
 
 def random_config(choices: Choices, policy: str, lazy: bool = False, block_size: int = 16) -> OffloadConfig:
     """A small configuration for ``policy``: 12-24 GPU and 4-8 CPU blocks (so that the rare paths
-    are common), one or two ranks, now and then a sliding-window group beside the full one, and
-    async scheduling (vLLM's default) three times in four, synchronous scheduling otherwise."""
+    are common), one or two ranks, now and then a sliding-window group beside the full one,
+    async scheduling (vLLM's default) three times in four, synchronous scheduling otherwise. No
+    speculative decoding here yet (the scheduler lockstep's configurations draw it)."""
     gpu = choices.pick((12, 16, 24))
     cpu = choices.pick((4, 5, 6, 8))
     world = choices.pick((1, 1, 2))
@@ -225,8 +226,10 @@ class OpGenerator:
         self.choices = choices
         self.mix = mix
         self.num_families = max(1, mix.num_families)
-        b = config.block_size
-        self.chunks = sorted({b, 2 * b, 3 * b, b + 1, max(1, b - 1), config.max_num_batched_tokens, 5 * b})
+        b, k = config.block_size, config.num_speculative_tokens
+        chunks = {b, 2 * b, 3 * b, b + 1, max(1, b - 1), config.max_num_batched_tokens, 5 * b}
+        chunks |= {1 + k} if k else set()
+        self.chunks = sorted(c for c in chunks if c > k)  # a padded decode's 1 + k rows fit any chunk
         self.budgets = sorted({1, b, 2 * b + 1, 4 * b, config.max_num_batched_tokens})
         self.builders: dict[str, Callable[[Engine], Op]] = {
             "add": self.add, "step": self.step, "report": self.report, "load_done": self.load_done,
@@ -254,7 +257,8 @@ class OpGenerator:
     def step(self, engine: Engine) -> Op:
         """Preempt some running requests, admit some waiting or preempted ones (with
         ``readmit_preempted``, also some of those this step preempts) in a random order, with a
-        chunk from ``chunks``; a resume style when it matters; sometimes a token budget."""
+        chunk from ``chunks``; a resume style when it matters; sometimes a token budget; with
+        speculative decoding, how many drafts the processed batch gets accepted."""
         c = self.choices
         waiting = [rid for rid, r in engine.live.items() if r.status in (WAITING, PREEMPTED)]
         running = [rid for rid, r in engine.live.items() if r.status == RUNNING]
@@ -268,6 +272,8 @@ class OpGenerator:
             op["preempt"] = preempt
         if preempt or any(engine.requests[r].was_preempted for r in admit):
             op["resume"] = c.pick(("mrv1", "mrv2"))
+        if self.config.num_speculative_tokens:
+            op["accept"] = c.integer(0, self.config.num_speculative_tokens)
         return op
 
     def report(self, engine: Engine) -> Op:
@@ -321,6 +327,8 @@ class OpGenerator:
         if engine.reports_left:
             event = c.pick(sorted(engine.reports_left))
             options.append({"op": "report", "event": event, "count": engine.reports_left[event] + 1})
+        if self.config.num_speculative_tokens:
+            options.append({"op": "step", "admit": [], "accept": self.config.num_speculative_tokens + 1})
         return c.pick(options)
 
 

@@ -104,10 +104,10 @@ class VllmSchedulerDriver:
         self.vllm.add_request(rid, prompt_tokens(family, prompt_len), max_tokens)
 
     def op_step(self, admit: list[str] | None = None, chunk: int = 64, preempt: list[str] | None = None,
-                resume: str = "mrv1", budget: int | None = None) -> StepObservation:
+                resume: str = "mrv1", budget: int | None = None, accept: int = 0) -> StepObservation:
         """One engine-core step; the workers receive its metadata."""
-        admit_ids, preempt_ids = self._check_step(admit, chunk, preempt, resume, budget)
-        observed = self.vllm.step(admit_ids, chunk, preempt_ids, resume, budget)
+        admit_ids, preempt_ids = self._check_step(admit, chunk, preempt, resume, budget, accept)
+        observed = self.vllm.step(admit_ids, chunk, preempt_ids, resume, budget, accept)
         meta = observed.metadata
         if meta["store_event"] >= 0:
             self.reports_left[meta["store_event"]] = self.config.world_size
@@ -117,10 +117,11 @@ class VllmSchedulerDriver:
         return observed
 
     def _check_step(self, admit: object, chunk: object, preempt: object, resume: object,
-                    budget: object) -> tuple[list[str], list[str]]:
+                    budget: object, accept: object) -> tuple[list[str], list[str]]:
         """The engine's checks of a step, then ``OutsideVllmError`` for preempting a request vLLM
         does not hold as running. Changes nothing."""
-        admit_ids, preempt_ids = check_step_args(admit, chunk, preempt, resume, budget, self.status)
+        admit_ids, preempt_ids = check_step_args(admit, chunk, preempt, resume, budget, self.status, accept,
+                                                 self.config.num_speculative_tokens)
         for rid in preempt_ids:
             if not self.vllm.is_running(rid):
                 raise OutsideVllmError(f"preempt {rid}: its load completed but vLLM has not scheduled it "

@@ -62,7 +62,7 @@ _FINDING_KEYS = ("kind", "op_index", "invariant", "exception")
 OP_ARGS: dict[str, dict[str, tuple[type, bool]]] = {
     "add": {"rid": (str, True), "family": (int, True), "prompt_len": (int, True), "max_tokens": (int, False)},
     "step": {"admit": (list, False), "chunk": (int, False), "preempt": (list, False), "resume": (str, False),
-             "budget": (int, False)},
+             "budget": (int, False), "accept": (int, False)},
     "report": {"event": (int, True), "count": (int, False)},
     "load_done": {"rid": (str, True)},
     "finish": {"rid": (str, True)},
