@@ -183,13 +183,14 @@ class RepairPolicy(BaselinePolicy):
         hashes = st.request.block_hashes
         if p >= len(hashes) or p >= len(ids):
             return None
-        key = (hashes[p], g)
         gpu = self.sched.gpu_pool
-        b: int | None = ids[p]
-        if b == NULL_BLOCK or gpu.block_hash[b] != key:
+        b = ids[p]
+        if b == NULL_BLOCK or gpu.block_hash[b] != (hashes[p], g):
             got = gpu.get_cached_block(hashes[p], [g])
-            b = None if got is None else got[0]
-        return b if b is not None and gpu.ref_cnt[b] == 0 else None
+            if got is None:
+                return None
+            b = got[0]
+        return b if gpu.ref_cnt[b] == 0 else None
 
     def _is_live(self, key: BlockKey) -> bool:
         """Some active request owns ``key`` below its cursor (stale owners are pruned). O(owners)."""

@@ -26,7 +26,8 @@ from typing import NamedTuple
 NULL, NOT_HASHED, IN_FLIGHT = "null", "not_hashed", "in_flight"
 ALREADY_CACHED, READY = "already_cached", "ready"
 NOT_OWNED, RETAINED = "not_owned", "retained"
-STORABLE = (IN_FLIGHT, ALREADY_CACHED, READY)  # the classes a repair scan does not simply pass
+STORABLE = (IN_FLIGHT, ALREADY_CACHED, READY)  # the classes of owned blocks a repair scan does not simply pass
+SELECTABLE = (READY, RETAINED)  # the kinds a repair scan selects while there is room
 
 # What the repair scan does at one position (``repair_step``).
 PASS, STOP, OWN, PIN, SELECT = "pass", "stop", "own", "pin", "select"
@@ -183,11 +184,11 @@ def repair_step(kind: str, duplicate: bool, entry_free: bool, taken: int, free: 
     pre: taken >= 0
     post: __return__ in (PASS, STOP, OWN, PIN, SELECT)
     post: (__return__ == PASS) == (kind not in STORABLE and (kind != RETAINED or duplicate))
-    post: (__return__ == SELECT) == (kind in (READY, RETAINED) and not duplicate and taken < free)
+    post: (__return__ == SELECT) == (kind in SELECTABLE and not duplicate and taken < free)
     post: (__return__ == PIN) == (kind == ALREADY_CACHED and not (entry_free and free - 1 < taken))
     post: (__return__ == OWN) == (kind == IN_FLIGHT or (kind == READY and duplicate))
     """
-    if kind in (READY, RETAINED) and not duplicate:
+    if kind in SELECTABLE and not duplicate:
         return SELECT if taken < free else STOP
     if kind == ALREADY_CACHED:
         return STOP if entry_free and free - 1 < taken else PIN
@@ -207,9 +208,10 @@ class RepairScan(NamedTuple):
 def repair_scan(kinds: list[str], keys: list[int], entry_free: list[bool], taken: int, free: int) -> RepairScan:
     """The repair scan of one group from its cursor: ``repair_step`` at each position, with
     ``kinds[k]``, ``keys[k]`` and ``entry_free[k]`` what the k-th position is, its key (read only
-    where the request owns it or a retained copy is READY) and whether its cached CPU entry is free. A key selected earlier
-    in the group is a duplicate; the selection count starts at ``taken``; a PIN of a free entry
-    takes it out of the free queue, so the free count drops by one. STOP ends the scan there.
+    where the request owns it or a retained copy is READY) and whether its cached CPU entry is
+    free. A key selected earlier in the group is a duplicate; the selection count starts at
+    ``taken``; a PIN of a free entry takes it out of the free queue, so the free count drops by
+    one. STOP ends the scan there.
     O(len(kinds)).
 
     pre: len(kinds) == len(keys) == len(entry_free)
@@ -221,7 +223,7 @@ def repair_scan(kinds: list[str], keys: list[int], entry_free: list[bool], taken
     post: all((s == PASS) == (kinds[k] not in STORABLE) for k, s in enumerate(__return__.steps) if kinds[k] != RETAINED)
     post: all(s in (PASS, SELECT) for k, s in enumerate(__return__.steps) if kinds[k] == RETAINED)
     post: _distinct_selections(keys, __return__.steps)
-    post: all(s == SELECT for k, s in enumerate(__return__.steps) if kinds[k] in (READY, RETAINED) and keys[k] not in keys[:k])
+    post: all(s == SELECT for k, s in enumerate(__return__.steps) if kinds[k] in SELECTABLE and keys[k] not in keys[:k])
     post: taken + __return__.steps.count(SELECT) + _free_pins(__return__.steps, entry_free) <= max(free, taken)
     post: not __return__.stopped or _stop_for_room(kinds, entry_free, __return__.steps, taken, free)
     """
@@ -255,6 +257,6 @@ def _stop_for_room(kinds: list[str], entry_free: list[bool], steps: list[str], t
     free count, or already cached with a free entry whose pin would leave less room than the
     selection (the free count lowered, in both cases, by the scan's earlier pins of free entries)."""
     at, chosen, pinned = len(steps), taken + steps.count(SELECT), _free_pins(steps, entry_free)
-    if kinds[at] in (READY, RETAINED):
+    if kinds[at] in SELECTABLE:
         return chosen >= free - pinned
     return kinds[at] == ALREADY_CACHED and entry_free[at] and free - pinned - 1 < chosen
