@@ -73,7 +73,8 @@ window floor are ``rules.ready_blocks`` and ``rules.window_floor``. R7's victim 
 not a pure function of lists: it classifies CPU entries lazily, one at a time as it
 walks (a classification prunes the owner index), and that laziness is its cost bound (R2).
 The public methods are the rules as steps a variant may override (``kvspec.model.bugs``):
-ownership and loss records (``owned_block``, ``record_losses``: R1, R3), classification
+ownership, retained copies and loss records (``owned_block``, ``retained_block``,
+``record_losses``: R1, R3), classification
 by key (``classify_key``: R4), the same-step pin (``protect_cached``: R5), the pending
 records (``repair_candidates``: R8) and the victims (``choose_victims``: R7).
 """
