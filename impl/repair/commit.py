@@ -14,7 +14,7 @@ The usual batch needs none of that: when every scan runs to its end and the allo
 can change no decision of the batch (it pops no block the batch pins, no key the batch
 reads, no key twice), ``Committer.commit_if_all_fit`` decides it with tensor ops and
 commits it whole; only owner registration is a Python pass. Not for sliding groups
-(their retirements are per request).
+(their retirements are per request), nor for a batch with a retained copy (R3).
 """
 
 from __future__ import annotations
