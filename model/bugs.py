@@ -169,6 +169,22 @@ class RepairNoFinishFlush(RepairPolicy):
         return None
 
 
+class RepairRecoversReferenced(RepairPolicy):
+    """vLLM 0.33.0's null recovery inside repair: a position the request does not own is stored
+    from any GPU block carrying its key, referenced or not (the table's, else the GPU prefix
+    cache's), not only from a free one."""
+
+    def retained_block(self, st: StoreState, ids: list[int], g: int, p: int) -> int | None:
+        hashes = st.request.block_hashes
+        if p >= len(hashes) or p >= len(ids):
+            return None
+        b = ids[p]
+        if b != 0 and self.sched.gpu_pool.block_hash[b] == (hashes[p], g):
+            return b
+        got = self.sched.gpu_pool.get_cached_block(hashes[p], [g])
+        return None if got is None else got[0]
+
+
 class OldResume(OffloadScheduler):
     """#57816: the connector as it read a step before the fix. It ignores preemptions (the
     stale ids and cursors are kept, and the policy drops nothing), and a full table, new
@@ -208,6 +224,8 @@ BUGS: dict[str, Bug] = {b.name: b for b in [
         store_policy=RepairDedupByGpuId),
     Bug("final-step-lost", "#41704", "repair without the finish flush", "repair", None,
         store_policy=RepairNoFinishFlush),
+    Bug("recover-referenced", "vLLM 0.33.0 null recovery (§7.6)", "repair storing an unowned position from "
+        "a referenced GPU block under its key", "repair", None, store_policy=RepairRecoversReferenced),
     Bug("mrv2-resume", "#57816", "preemption keeps stale ids; resumed tables are appended", "repair", None,
         scheduler=OldResume),
     Bug("unconfirmed-store", "#45704 (scheduler side)", "stores planned before the data is computed", "repair",

@@ -4,9 +4,11 @@ Terms. A request *owns* position p of group g when the GPU block its list holds 
 carries the request's key for p and is referenced (ref >= 1), and, in a
 sliding-window group, p has not left the window (``remove_skipped_blocks`` freed
 every position below ``(computed - window + 1) // block_size``; the connector is
-not told, so the policy computes it). Null entries are not owned: unlike vLLM's
-null recovery, a block found in the GPU prefix cache may have been hashed this
-step and not yet computed. A key is *live* when an active
+not told, so the policy computes it). A *retained copy* of a confirmed position the
+request does not own is a GPU block that carries the request's key for p and that
+nobody references (ref 0: a free GPU prefix-cache entry): the list's block at p
+when it carries that key (a sliding-window block freed but still hashed), else the
+GPU prefix cache's block for the key (vLLM's null recovery). A key is *live* when an active
 request owns it at a position below its cursor. A CPU entry is *useless* when its
 key's parent (the key one position earlier in the chain) is neither cached on CPU
 nor being stored: by the chained hash no lookup can reach it.
@@ -23,8 +25,16 @@ Rules, each stated once:
   requests, the pending lost records and the victims R7 looks at, never
   ``[0, cursor)`` and never the whole CPU pool. Every eviction costs O(owners of the
   key); retiring a key (R7) costs O(1), once per owned position.
-* **R3 Soundness.** Only owned, confirmed (below ``ready``), hashed positions are
-  stored, under the key the request has for them.
+* **R3 Soundness.** Only confirmed (below ``ready``), hashed positions are stored, under
+  the key the request has for them, from the block the request owns there or else from
+  a retained copy. A retained copy holds its key's data: vLLM hashes a block when it
+  schedules the tokens that fill it, the forward of that step writes them, and a block
+  reaches the free queue only at a later step (preemption takes requests not scheduled
+  in the step; async scheduling defers the free of blocks a batch in flight writes). A
+  referenced block the request does not own is never stored: another request may have
+  hashed it in this very step, before the forward that computes it (I10). A retained
+  copy is not owned: it is stored as new work (R4 applies), never indexed, pinned or
+  recorded as lost.
 * **R4 Dedup by key.** A key already cached on CPU or being stored (by any
   request, any live transfer, or earlier in this step) is not stored again.
 * **R5 Same-step protection (T3).** A CPU entry that the scan judged "already
@@ -63,7 +73,8 @@ window floor are ``rules.ready_blocks`` and ``rules.window_floor``. R7's victim 
 not a pure function of lists: it classifies CPU entries lazily, one at a time as it
 walks (a classification prunes the owner index), and that laziness is its cost bound (R2).
 The public methods are the rules as steps a variant may override (``kvspec.model.bugs``):
-ownership and loss records (``owned_block``, ``record_losses``: R1, R3), classification
+ownership, retained copies and loss records (``owned_block``, ``retained_block``,
+``record_losses``: R1, R3), classification
 by key (``classify_key``: R4), the same-step pin (``protect_cached``: R5), the pending
 records (``repair_candidates``: R8) and the victims (``choose_victims``: R7).
 """
@@ -83,6 +94,8 @@ from kvspec.model.rules import (
     NOT_OWNED,
     PASS,
     PIN,
+    READY,
+    RETAINED,
     SELECT,
     classify_store_candidate,
     repair_scan,
@@ -163,6 +176,22 @@ class RepairPolicy(BaselinePolicy):
         if b == NULL_BLOCK or gpu.block_hash[b] != (hashes[p], g) or gpu.ref_cnt[b] < 1:
             return None
         return b
+
+    def retained_block(self, st: StoreState, ids: list[int], g: int, p: int) -> int | None:
+        """R3: a retained copy for (g, p): the GPU block ``ids[p]`` if it carries the request's key
+        for p, else the GPU prefix cache's block for that key, when nobody references it (ref 0);
+        None otherwise. O(1)."""
+        hashes = st.request.block_hashes
+        if p >= len(hashes) or p >= len(ids):
+            return None
+        gpu = self.sched.gpu_pool
+        b = ids[p]
+        if b == NULL_BLOCK or gpu.block_hash[b] != (hashes[p], g):
+            got = gpu.get_cached_block(hashes[p], [g])
+            if got is None:
+                return None
+            b = got[0]
+        return b if gpu.ref_cnt[b] == 0 else None
 
     def _is_live(self, key: BlockKey) -> bool:
         """Some active request owns ``key`` below its cursor (stale owners are pruned). O(owners)."""
@@ -257,17 +286,24 @@ class RepairPolicy(BaselinePolicy):
         return Selection(selected, cursors)
 
     def _scan_group(self, st: StoreState, g: int, ids: list[int], selected: list[int]) -> int:
-        """One group's scan: what each position of ``[cursor, ready)`` is (owned block, key class,
-        whether its cached CPU entry is free), decided by ``rules.repair_scan`` with the CPU free
-        count now (its pins lower it); then the decisions applied: owners indexed, entries pinned,
-        selections appended. Keys carry their group, so the dedup of R4 within the request is per
-        group. Returns the cursor advance. O(ready - cursor)."""
+        """One group's scan: what each position of ``[cursor, ready)`` is (owned block and its key
+        class, else a retained copy whose class is READY, and whether the key's cached CPU entry is
+        free), decided by ``rules.repair_scan`` with the CPU free count now (its pins lower it);
+        then the decisions applied: owners indexed, entries pinned, selections appended. Keys carry
+        their group, so the dedup of R4 within the request is per group. Returns the cursor
+        advance. O(ready - cursor)."""
         cpu = self.sched.cpu_pool
         rid = st.request.request_id
         positions = range(st.num_stored_blocks[g], self.sched.ready_blocks(st, ids))
-        blocks = [self.owned_block(st, ids, g, p) for p in positions]
+        owned = [self.owned_block(st, ids, g, p) for p in positions]
+        kinds = [NOT_OWNED if b is None else self.classify_key(b) for b in owned]
+        blocks = list(owned)
+        for k, p in enumerate(positions):
+            if owned[k] is None:
+                kept = self.retained_block(st, ids, g, p)
+                if kept is not None and self.classify_key(kept) == READY:
+                    kinds[k], blocks[k] = RETAINED, kept
         keys = [None if b is None else self.sched.gpu_pool.block_hash[b] for b in blocks]
-        kinds = [NOT_OWNED if b is None else self.classify_key(b) for b in blocks]
         cached = [cpu.get_one_block(key) if kind == ALREADY_CACHED and key is not None else None
                   for kind, key in zip(kinds, keys, strict=True)]
         numbered: dict[BlockKey | None, int] = {}
@@ -275,11 +311,12 @@ class RepairPolicy(BaselinePolicy):
                            [cb is not None and cb in cpu.free_queue for cb in cached], len(selected),
                            cpu.get_num_free_blocks())
         self.visits_last_plan += len(scan.steps) + scan.stopped
-        for p, step, b, key, cb in zip(positions, scan.steps, blocks, keys, cached, strict=False):
+        for p, step, b, key, cb, mine in zip(positions, scan.steps, blocks, keys, cached, owned, strict=False):
             if step == PASS:
                 continue
-            assert b is not None and key is not None, "repair_scan passes every position not owned or not hashed"
-            self._register_owner(rid, g, p, key)
+            assert b is not None and key is not None, "repair_scan passes every position without a hashed source"
+            if mine is not None:
+                self._register_owner(rid, g, p, key)
             if step == PIN:
                 assert cb is not None, "ALREADY_CACHED: the CPU pool lists the key"
                 self._judged_cached.add(key)

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-# Store-candidate classes (vLLM ``_StoreAdmission``), and the repair policy's "not owned".
+# Store-candidate classes (vLLM ``_StoreAdmission``), and the repair policy's "not owned" and
+# "retained" (a position it does not own whose free GPU copy is READY to store).
 NULL, NOT_HASHED, IN_FLIGHT = "null", "not_hashed", "in_flight"
 ALREADY_CACHED, READY = "already_cached", "ready"
-NOT_OWNED = "not_owned"
-STORABLE = (IN_FLIGHT, ALREADY_CACHED, READY)  # the classes a repair scan does not simply pass
+NOT_OWNED, RETAINED = "not_owned", "retained"
+STORABLE = (IN_FLIGHT, ALREADY_CACHED, READY)  # the classes of owned blocks a repair scan does not simply pass
+SELECTABLE = (READY, RETAINED)  # the kinds a repair scan selects while there is room
 
 # What the repair scan does at one position (``repair_step``).
 PASS, STOP, OWN, PIN, SELECT = "pass", "stop", "own", "pin", "select"
@@ -164,27 +166,29 @@ def rescan_group(stored: list[bool], new: list[bool], taken: int, free: int, oos
 
 def repair_step(kind: str, duplicate: bool, entry_free: bool, taken: int, free: int) -> str:
     """The repair scan at one position of ``[cursor, ready)`` (R3-R5), given what the position
-    is (``kind``: NOT_OWNED, or the class of the block the request owns there, by key),
-    whether its key was selected earlier in this group (``duplicate``), whether its cached
-    CPU entry sits in the free queue (``entry_free``), the blocks selected so far for this
-    request in this step (``taken``) and the CPU free count now (``free``, lowered by pins):
+    is (``kind``: the class of the block the request owns there, by key; RETAINED when it owns
+    none there but a free GPU copy of its key is READY; else NOT_OWNED), whether its key was
+    selected earlier in this group (``duplicate``), whether its cached CPU entry sits in the
+    free queue (``entry_free``), the blocks selected so far for this request in this step
+    (``taken``) and the CPU free count now (``free``, lowered by pins):
 
     * not owned or not hashed: PASS (the cursor moves on, nothing is recorded);
     * in flight, or a duplicate of a selected key (R4): OWN (indexed as an owner, R1);
     * already cached: PIN (owner, pinned for the step, R5), unless pinning a free entry
       would leave less room than the selection needs: STOP;
-    * ready: SELECT while the selection stays below the free count, else STOP.
+    * ready, or retained: SELECT while the selection stays below the free count, else STOP;
+      a retained duplicate is passed (not owned, so never indexed).
 
     STOP ends the group's scan without passing the position. O(1).
 
     pre: taken >= 0
     post: __return__ in (PASS, STOP, OWN, PIN, SELECT)
-    post: (__return__ == PASS) == (kind not in (IN_FLIGHT, ALREADY_CACHED, READY))
-    post: (__return__ == SELECT) == (kind == READY and not duplicate and taken < free)
+    post: (__return__ == PASS) == (kind not in STORABLE and (kind != RETAINED or duplicate))
+    post: (__return__ == SELECT) == (kind in SELECTABLE and not duplicate and taken < free)
     post: (__return__ == PIN) == (kind == ALREADY_CACHED and not (entry_free and free - 1 < taken))
     post: (__return__ == OWN) == (kind == IN_FLIGHT or (kind == READY and duplicate))
     """
-    if kind == READY and not duplicate:
+    if kind in SELECTABLE and not duplicate:
         return SELECT if taken < free else STOP
     if kind == ALREADY_CACHED:
         return STOP if entry_free and free - 1 < taken else PIN
@@ -204,20 +208,22 @@ class RepairScan(NamedTuple):
 def repair_scan(kinds: list[str], keys: list[int], entry_free: list[bool], taken: int, free: int) -> RepairScan:
     """The repair scan of one group from its cursor: ``repair_step`` at each position, with
     ``kinds[k]``, ``keys[k]`` and ``entry_free[k]`` what the k-th position is, its key (read only
-    where the request owns it) and whether its cached CPU entry is free. A key selected earlier
-    in the group is a duplicate; the selection count starts at ``taken``; a PIN of a free entry
-    takes it out of the free queue, so the free count drops by one. STOP ends the scan there.
+    where the request owns it or a retained copy is READY) and whether its cached CPU entry is
+    free. A key selected earlier in the group is a duplicate; the selection count starts at
+    ``taken``; a PIN of a free entry takes it out of the free queue, so the free count drops by
+    one. STOP ends the scan there.
     O(len(kinds)).
 
     pre: len(kinds) == len(keys) == len(entry_free)
-    pre: all(k in (NOT_OWNED, NOT_HASHED, IN_FLIGHT, ALREADY_CACHED, READY) for k in kinds)
+    pre: all(k in (NOT_OWNED, NOT_HASHED, IN_FLIGHT, ALREADY_CACHED, READY, RETAINED) for k in kinds)
     pre: taken >= 0
     post: len(__return__.steps) <= len(kinds)
     post: __return__.stopped == (len(__return__.steps) < len(kinds))
     post: STOP not in __return__.steps
-    post: all((s == PASS) == (kinds[k] not in STORABLE) for k, s in enumerate(__return__.steps))
+    post: all((s == PASS) == (kinds[k] not in STORABLE) for k, s in enumerate(__return__.steps) if kinds[k] != RETAINED)
+    post: all(s in (PASS, SELECT) for k, s in enumerate(__return__.steps) if kinds[k] == RETAINED)
     post: _distinct_selections(keys, __return__.steps)
-    post: all(s == SELECT for k, s in enumerate(__return__.steps) if kinds[k] == READY and keys[k] not in keys[:k])
+    post: all(s == SELECT for k, s in enumerate(__return__.steps) if kinds[k] in SELECTABLE and keys[k] not in keys[:k])
     post: taken + __return__.steps.count(SELECT) + _free_pins(__return__.steps, entry_free) <= max(free, taken)
     post: not __return__.stopped or _stop_for_room(kinds, entry_free, __return__.steps, taken, free)
     """
@@ -247,10 +253,10 @@ def _free_pins(steps: list[str], entry_free: list[bool]) -> int:
 
 
 def _stop_for_room(kinds: list[str], entry_free: list[bool], steps: list[str], taken: int, free: int) -> bool:
-    """``repair_scan``'s contract: the position it stopped at is READY with the selection at the
+    """``repair_scan``'s contract: the position it stopped at is READY (or RETAINED) with the selection at the
     free count, or already cached with a free entry whose pin would leave less room than the
     selection (the free count lowered, in both cases, by the scan's earlier pins of free entries)."""
     at, chosen, pinned = len(steps), taken + steps.count(SELECT), _free_pins(steps, entry_free)
-    if kinds[at] == READY:
+    if kinds[at] in SELECTABLE:
         return chosen >= free - pinned
     return kinds[at] == ALREADY_CACHED and entry_free[at] and free - pinned - 1 < chosen

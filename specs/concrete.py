@@ -40,6 +40,7 @@ class Pos:
     infl: bool = False
     lost: bool = False
     reg: bool = False
+    kept: bool = False
 
 
 # the position kinds the exhaustive tests enumerate (see tests/test_spec_agreement.py)
@@ -49,6 +50,8 @@ FOREIGN = Pos(hashed=True)  # a stale id: the block carries someone else's key
 OWNED = Pos(hashed=True, owned=True)
 OWNED_CACHED = Pos(hashed=True, owned=True, cached=True, cfree=True)
 OWNED_INFL = Pos(hashed=True, owned=True, infl=True)
+KEPT = Pos(hashed=True, kept=True)  # repair: a stale id, freed, still carrying the request's key
+KEPT_CACHED = Pos(hashed=True, kept=True, cached=True, cfree=True)
 KINDS = (NULL, UNHASHED, FOREIGN, OWNED, OWNED_CACHED, OWNED_INFL)
 
 
@@ -263,6 +266,7 @@ def build_model(policy: str, st: Small) -> tuple[OffloadScheduler, dict[int, tup
     ids: list[list[int]] = []
     cached_cpu: list[int] = []
     pinned_cpu: list[int] = []
+    released: list[int] = []
     for g, ps in enumerate(st.groups):
         row = []
         for i, p in enumerate(ps):
@@ -274,8 +278,10 @@ def build_model(policy: str, st: Small) -> tuple[OffloadScheduler, dict[int, tup
             row.append(b)
             if not p.hashed:
                 continue
-            key = (hashes[i], g) if p.owned else (f"x{g}.{i}", g)
+            key = (hashes[i], g) if p.owned or p.kept else (f"x{g}.{i}", g)
             gpu.insert_block_hash(key, b)
+            if p.kept:  # a retained copy: the block is freed below, still hashed
+                released.append(b)
             if p.infl:
                 sched.in_flight_store_gpu_blocks.add(b)
                 if repair is not None:
@@ -299,6 +305,7 @@ def build_model(policy: str, st: Small) -> tuple[OffloadScheduler, dict[int, tup
             for i, p in enumerate(ps):
                 if p.lost:
                     repair.lost[("R", g, i)] = (hashes[i], g)
+    gpu.free_blocks(released)
     if isinstance(sched.policy, SignalRescanPolicy):  # exactly when policy == "signal-rescan"
         sched.policy.eviction_flag = st.flag
     sched.reqs_to_store["R"] = StoreState(req, [list(r) for r in ids], list(st.cursors))

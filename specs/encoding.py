@@ -8,7 +8,11 @@ The abstraction (PROOFS.md beside this file has the full mapping to the model):
   - ``hashed``: the block the scan would look at exists and carries a key
     (non-null, or a null recovered from the GPU prefix cache);
   - ``owned``: that block carries *this request's* key for ``p`` and is referenced
-    (the model's ``_owned_block``);
+    (the model's ``owned_block``);
+  - ``kept``: ``repair`` only, the position is not owned but a *retained copy* exists (a
+    free GPU block carrying this request's key for ``p``, the model's ``retained_block``);
+    ``hashed``, ``cached``, ``cfree`` and ``infl`` then describe that key. The environment
+    (GPU frees, evictions, other requests' touches) changes it at any time;
   - ``cached``: the position's key is cached on CPU; ``cfree``: that CPU copy sits in
     the CPU free queue (evictable, and a pin takes it out of the free count);
   - ``infl``: the position is being stored (the block is in flight);
@@ -43,7 +47,7 @@ from typing import Any, Protocol
 
 import z3
 
-ARRAYS = ("hashed", "owned", "cached", "cfree", "infl", "lost", "reg")
+ARRAYS = ("hashed", "owned", "cached", "cfree", "infl", "lost", "reg", "kept")
 POLICIES = ("baseline", "signal-rescan", "repair")
 
 _ids = itertools.count()
@@ -165,10 +169,13 @@ class Encoding:
         return z3.And(p >= 0, p < s.groups[g].cur)
 
     def ready_to_store(self, policy: str, s: State, g: int, p: Any) -> z3.BoolRef:
-        """The scan's READY class: baseline rules ignore ownership; repair needs it (R3)."""
+        """The scan's READY class: baseline rules ignore ownership; repair needs the block owned,
+        or a retained copy (R3)."""
         base = z3.And(self.v(s, g, "hashed", p), z3.Not(self.v(s, g, "infl", p)),
                       z3.Not(self.v(s, g, "cached", p)))
-        return z3.And(base, self.v(s, g, "owned", p)) if policy == "repair" else base
+        if policy != "repair":
+            return base
+        return z3.And(base, z3.Or(self.v(s, g, "owned", p), self.v(s, g, "kept", p)))
 
     def pins(self, policy: str, s: State, g: int, p: Any) -> z3.BoolRef:
         """Repair R5: an owned, already-cached position pins its CPU copy (free count -1); a pin

@@ -214,12 +214,15 @@ def monotone(enc: Encoding, policy: str) -> tuple[str, str, dict[str, Any]]:
 
 
 def soundness(enc: Encoding, policy: str) -> tuple[str, str, dict[str, Any]]:
-    """Repair R3: every position the scan or the repair phase selects is confirmed, owned, hashed."""
+    """Repair R3: every position the scan selects is confirmed, hashed, and owned or a retained
+    copy; every one the repair phase re-stores is confirmed, owned, hashed."""
     out = []
     s, st = _step(enc, policy, plan_scan)
     assert st.scan is not None
     goal = z3.And([enc.forall(lambda p, g=g: z3.Implies(
-        z3.Or(st.scan.sel[g](p), st.scan.rescan[g](p)), z3.And(enc.confirmed(s, g, p), enc.ownh(s, g, p))))
+        z3.Or(st.scan.sel[g](p), st.scan.rescan[g](p)),
+        z3.And(enc.confirmed(s, g, p), enc.v(s, g, "hashed", p),
+               z3.Or(enc.v(s, g, "owned", p), enc.v(s, g, "kept", p)))))
         for g in range(enc.G)])
     out.append(("plan", *_valid([inv_for("c2", enc, s), *st.constraints], goal, hint(enc, s))))
     s, st = _step(enc, policy, repair_phase)
@@ -677,6 +680,15 @@ def _pin_stop(enc: Unrolled, states: list[State], steps: list[Step]) -> list[z3.
                                         z3.Not(enc.ready_to_store("repair", s, 0, p))))]
 
 
+def _retained_copy(enc: Unrolled, states: list[State], steps: list[Step]) -> list[z3.BoolRef]:
+    """The plan (step 3) stores a position the request does not own, from its retained copy,
+    and the cursor passes it without indexing it as an owner."""
+    s, post, scan = states[2], states[3], steps[2].scan
+    assert scan is not None
+    return [_some(enc, lambda p: z3.And(scan.sel[0](p), z3.Not(enc.v(s, 0, "owned", p)), enc.v(s, 0, "kept", p),
+                                        p < post.groups[0].cur, z3.Not(enc.v(post, 0, "reg", p))))]
+
+
 def _registered_copy(enc: Unrolled, states: list[State], steps: list[Step]) -> list[z3.BoolRef]:
     """A position the plan (step 2) selected is cached after the completion (step 3)."""
     scan = steps[1].scan
@@ -696,6 +708,8 @@ WITNESSES: tuple[tuple[str, str, tuple[str, ...], Condition, str], ...] = (
      "an eviction sets the flag; the next plan consumes it and re-stores the hole"),
     ("pin-stops-scan", "repair", ("schedule", "env-store", "complete", "plan"), _pin_stop,
      "the scan stops at an already-cached position whose pin would starve the selection"),
+    ("retained-copy", "repair", ("schedule", "sliding-free", "plan"), _retained_copy,
+     "the scan stores a position it does not own from its retained copy, not indexed"),
     *((("completion-registers", pol, STORED, _registered_copy, "a completed store registers its key"))
       for pol in ("baseline", "signal-rescan", "repair")),
 )
@@ -805,7 +819,8 @@ def _default_catalogue(quick: bool) -> list[Obligation]:
                               "C2: owned confirmed hashed positions below the cursor are cached, in flight "
                               "or recorded lost"))
         obs.append(Obligation(f"soundness{tag}", "repair", "proof", lambda G=G: soundness(Quant(G), "repair"),
-                              "only confirmed, owned, hashed positions are stored"))
+                              "only confirmed, hashed positions are stored, owned or from a retained copy; "
+                              "only owned ones are re-stored"))
     obs.append(Obligation("no-amplification", "repair", "proof", lambda: no_amplification(Quant(1)),
                           "re-stores consume distinct pending lost records of uncovered keys"))
     obs.append(Obligation("no-lookback", "baseline", "proof", lambda: no_lookback(Quant(1), "baseline"),

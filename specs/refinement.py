@@ -14,6 +14,9 @@ Two halves.
   - ``owned``: ``b`` is not null, carries ``own``, has GPU ref count >= 1, and ``p`` is in
     the sliding window (``RepairPolicy.owned_block``, the spec's definition: the
     connector's ids and the ref count, not the engine's live table);
+  - ``kept`` (repair): not owned, and a retained copy exists: ``b`` if it carries ``own``,
+    else the GPU prefix cache's first block for ``own``, with GPU ref count 0
+    (``RepairPolicy.retained_block``); such a position is ``hashed`` and its key is ``own``;
   - the position's *key* is the source block's key when it has one, else ``own``;
     ``cached``: the key is in the CPU prefix map; ``cfree``: the first CPU block the map
     lists for it (the one the scan pins) is in the CPU free queue;
@@ -160,18 +163,34 @@ def _source(view: _View, own: str | None, b: int) -> int | None:
     return hit[0] if hit else None
 
 
+def _retained(view: _View, own: str | None, b: int) -> bool:
+    """Repair's retained copy exists: ``b`` if it carries ``own``, else the GPU prefix cache's
+    first block for ``own``, has GPU ref count 0. O(1)."""
+    if own is None:
+        return False
+    if b == 0 or view.gpu_hash[b] != own:
+        hit = view.gpu_cached.get(own)
+        if not hit:
+            return False
+        b = hit[0]
+    return bool(view.gpu_ref[b] == 0)
+
+
 def _position(view: _View, req: Mapping[str, Any], g: int, p: int, b: int) -> tuple[dict[str, bool], Any]:
-    """The six observed bits of position ``p`` (id ``b``) of group ``g``, and its identity. O(1)."""
+    """The seven observed bits of position ``p`` (id ``b``) of group ``g``, and its identity. O(1)."""
     hashes = req["block_hashes"]
     own = f"{hashes[p]}:{g}" if p < len(hashes) else None
     src = _source(view, own, b)
     src_key = view.gpu_hash[src] if src is not None else None
-    key = src_key if src_key is not None else own
+    owned = (b != 0 and own is not None and view.gpu_hash[b] == own and view.gpu_ref[b] >= 1
+             and p >= view.floor(g, req["num_computed_tokens"]))
+    kept = view.policy == "repair" and not owned and _retained(view, own, b)
+    key = own if kept else (src_key if src_key is not None else own)
     copies = view.cpu_cached.get(key) if key is not None else None
     bits = {
-        "hashed": src_key is not None,
-        "owned": (b != 0 and own is not None and view.gpu_hash[b] == own and view.gpu_ref[b] >= 1
-                  and p >= view.floor(g, req["num_computed_tokens"])),
+        "hashed": kept or src_key is not None,
+        "owned": owned,
+        "kept": kept,
         "cached": copies is not None,
         "cfree": copies is not None and copies[0] in view.cpu_free,
         "infl": (key in view.in_flight_keys) if view.policy == "repair" else (src in view.in_flight),

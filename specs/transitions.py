@@ -138,20 +138,21 @@ def complete(enc: Encoding, policy: str, s: State) -> Step:
             z3.Implies(enc.at(i2, p), enc.v(s, g, "infl", p)),
             z3.Implies(z3.And(enc.v(s, g, "infl", p), z3.Not(enc.at(i2, p))), enc.at(d, p)))))
         post = post.with_group(
-            g, infl=infl2, cfree=_havoc(enc, f"cfree{g}"),
+            g, infl=infl2, cfree=_havoc(enc, f"cfree{g}"), kept=_havoc(enc, f"kept{g}"),
             cached=enc.table(lambda p, g=g, d=done: z3.Or(enc.v(s, g, "cached", p), enc.at(d, p))))
     return Step(post, cons)
 
 
 def env_store(enc: Encoding, policy: str, s: State) -> Step:
     """Other requests (or the finish flush) put the focal request's keys in flight; loads
-    and pins move CPU copies in and out of the free queue."""
+    and pins move CPU copies in and out of the free queue; GPU blocks are freed, touched and
+    evicted (retained copies come and go)."""
     post = _keep(s)
     cons: list[z3.BoolRef] = []
     for g in range(enc.G):
         infl2 = _havoc(enc, f"infl{g}")
         cons.append(enc.forall(lambda p, g=g, i2=infl2: z3.Implies(enc.v(s, g, "infl", p), enc.at(i2, p))))
-        post = post.with_group(g, infl=infl2, cfree=_havoc(enc, f"cfree{g}"))
+        post = post.with_group(g, infl=infl2, cfree=_havoc(enc, f"cfree{g}"), kept=_havoc(enc, f"kept{g}"))
     return Step(post, cons)
 
 
@@ -168,7 +169,7 @@ def schedule(enc: Encoding, policy: str, s: State) -> Step:
         cons.append(enc.forall(lambda p, g=g, own=own, hsh=hsh, grp=grp: z3.Implies(
             p < grp.cur, z3.And(enc.at(own, p) == enc.v(s, g, "owned", p),
                                 enc.at(hsh, p) == enc.v(s, g, "hashed", p)))))
-        post = post.with_group(g, n=n2, owned=own, hashed=hsh)
+        post = post.with_group(g, n=n2, owned=own, hashed=hsh, kept=_havoc(enc, f"kept{g}"))
     return Step(post, cons)
 
 
@@ -184,7 +185,7 @@ def sliding_free(enc: Encoding, policy: str, s: State) -> Step:
         cons.append(enc.forall(lambda p, g=g, edge=edge, hsh=hsh: z3.Implies(
             p >= edge, enc.at(hsh, p) == enc.v(s, g, "hashed", p))))
         post = post.with_group(
-            g, hashed=hsh,
+            g, hashed=hsh, kept=_havoc(enc, f"kept{g}"),
             owned=enc.table(lambda p, g=g, edge=edge: z3.And(enc.v(s, g, "owned", p), p >= edge)))
     return Step(post, cons, inputs=edges)
 
@@ -195,7 +196,7 @@ def preempt(enc: Encoding, policy: str, s: State) -> Step:
     post = _keep(s, conf=z3.IntVal(0))
     for g in range(enc.G):
         upd: dict[str, Any] = {"n": z3.IntVal(0), "cur": z3.IntVal(0),
-                               "owned": enc.table(lambda p: z3.BoolVal(False))}
+                               "owned": enc.table(lambda p: z3.BoolVal(False)), "kept": _havoc(enc, f"kept{g}")}
         if policy == "repair":
             upd["lost"] = enc.table(lambda p: z3.BoolVal(False))
         post = post.with_group(g, **upd)
@@ -212,7 +213,8 @@ def resume(enc: Encoding, policy: str, s: State) -> Step:
     for g in range(enc.G):
         n2 = z3.Int(_fresh("N"))
         cons += [s.groups[g].cur == 0, enc.bound(n2)]
-        post = post.with_group(g, n=n2, owned=_havoc(enc, f"own{g}"), hashed=_havoc(enc, f"hash{g}"))
+        post = post.with_group(g, n=n2, owned=_havoc(enc, f"own{g}"), hashed=_havoc(enc, f"hash{g}"),
+                               kept=_havoc(enc, f"kept{g}"))
     return Step(post, cons)
 
 
@@ -228,7 +230,7 @@ def loaded_full_table(enc: Encoding, policy: str, s: State) -> Step:
         cons.append(enc.forall(lambda p, g=g, own=own, hsh=hsh, grp=grp: z3.Implies(
             p < grp.n, z3.And(enc.at(own, p) == enc.v(s, g, "owned", p),
                               enc.at(hsh, p) == enc.v(s, g, "hashed", p)))))
-        post = post.with_group(g, n=n2, owned=own, hashed=hsh)
+        post = post.with_group(g, n=n2, owned=own, hashed=hsh, kept=_havoc(enc, f"kept{g}"))
     return Step(post, cons)
 
 
@@ -251,7 +253,7 @@ def reset(enc: Encoding, policy: str, s: State) -> Step:
         cached2 = _havoc(enc, f"cached{g}")
         cons.append(enc.forall(lambda p, g=g, c2=cached2: z3.Implies(enc.at(c2, p),
                                                                      enc.v(s, g, "cached", p))))
-        post = post.with_group(g, cur=z3.IntVal(0), cached=cached2,
+        post = post.with_group(g, cur=z3.IntVal(0), cached=cached2, kept=_havoc(enc, f"kept{g}"),
                                infl=enc.table(lambda p: z3.BoolVal(False)),
                                lost=enc.table(lambda p: z3.BoolVal(False)),
                                reg=enc.table(lambda p: z3.BoolVal(False)))

@@ -14,6 +14,9 @@ Which states:
   kinds, every cursor, spare 0..1, all confirmed;
 * exhaustive, N <= 5 over the three kinds that steer the scan (skip, store, already
   cached), every cursor and spare count 0..1, all confirmed;
+* exhaustive, N <= 3 with repair's retained copies (a freed id still carrying the request's
+  key, cached on CPU or not) beside null, stale, owned and owned-and-cached positions, every
+  cursor and spare count 0..1, all confirmed;
 * Hypothesis beyond: N <= 6, one or two groups, any kinds, plus the quantified (symbolic
   N) encoding's unique successor on the same states;
 * the repair phase: exhaustive over N <= 3 positions with lost records;
@@ -35,6 +38,8 @@ from hypothesis import strategies as st
 
 from kvspec.specs.concrete import (
     FOREIGN,
+    KEPT,
+    KEPT_CACHED,
     KINDS,
     NULL,
     OWNED,
@@ -103,6 +108,14 @@ def test_every_state_of_three_positions(policy: str) -> None:
 def test_every_scan_shape_up_to_five(policy: str) -> None:
     n, bad = _mismatches(policy, _states(5, (UNHASHED, OWNED, OWNED_CACHED), range(2), False, policy))
     assert n >= 3800
+    assert bad == [], "\n".join(bad[:5])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_state_with_retained_copies(policy: str) -> None:
+    kinds = (NULL, FOREIGN, OWNED, OWNED_CACHED, KEPT, KEPT_CACHED)
+    n, bad = _mismatches(policy, _states(3, kinds, range(2), False, policy))
+    assert n >= 1000
     assert bad == [], "\n".join(bad[:5])
 
 

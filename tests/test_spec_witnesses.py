@@ -117,3 +117,14 @@ def test_eviction_that_never_sets_the_flag(monkeypatch: pytest.MonkeyPatch) -> N
 def test_pins_that_never_stop_the_scan(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Encoding, "pins", lambda self, policy, s, g, p: z3.BoolVal(False))
     assert _witness("pin-stops-scan", "repair") == "unreached"
+
+
+def test_a_scan_that_ignores_retained_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repair's READY class without R3's retained copies: a position it does not own is never stored."""
+    original = Encoding.ready_to_store
+
+    def owned_only(self: Encoding, policy: str, s: State, g: int, p: object) -> z3.BoolRef:
+        return z3.And(original(self, policy, s, g, p), self.v(s, g, "owned", p))
+
+    monkeypatch.setattr(Encoding, "ready_to_store", owned_only)
+    assert _witness("retained-copy", "repair") == "unreached"

@@ -159,6 +159,30 @@ def test_repair_lockstep_exercises_restores() -> None:
     assert seen_lost and seen_restores, (seen_lost, seen_restores)
 
 
+@pytest.mark.vllm
+@REPAIR
+def test_repair_lockstep_exercises_retained_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sliding-window trace stores positions the request does not own from retained copies (R3:
+    freed sliding-window pages, null slots), and the patched vLLM agrees after every operation."""
+    import kvspec.model.repair as repair_module
+    from kvspec.model.rules import RETAINED, SELECT, RepairScan
+
+    scan = repair_module.repair_scan
+    retained = 0
+
+    def counting(kinds: list[str], keys: list[int], entry_free: list[bool], taken: int, free: int
+                 ) -> RepairScan:
+        nonlocal retained
+        out = scan(kinds, keys, entry_free, taken, free)
+        retained += sum(1 for k, step in zip(kinds, out.steps, strict=False) if k == RETAINED and step == SELECT)
+        return out
+
+    monkeypatch.setattr(repair_module, "repair_scan", counting)
+    config = replace(CONFIGS["full+sliding-ws1"], policy="repair")
+    assert lockstep(config, policy_trace(config, 0), "vllm+repair") is None
+    assert retained > 0
+
+
 def _model_with(options: SignalRescanOptions) -> Callable[[OffloadConfig], OffloadScheduler]:
     from kvspec.model.block_pool import BlockPool
 

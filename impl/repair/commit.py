@@ -14,7 +14,7 @@ The usual batch needs none of that: when every scan runs to its end and the allo
 can change no decision of the batch (it pops no block the batch pins, no key the batch
 reads, no key twice), ``Committer.commit_if_all_fit`` decides it with tensor ops and
 commits it whole; only owner registration is a Python pass. Not for sliding groups
-(their retirements are per request).
+(their retirements are per request), nor for a batch with a retained copy (R3).
 """
 
 from __future__ import annotations
@@ -187,7 +187,10 @@ class Committer:
     def _decide_all_fit(self, facts: CandidateFacts) -> AllFit | None:
         """Every owned candidate is in flight (a key in flight, or selected earlier in the batch),
         already cached or selected, if the selections and the free entries pinned fit the free
-        count and the allocation touches nothing the batch read."""
+        count and the allocation touches nothing the batch read. A batch with a retained copy
+        (R3) goes to the request-by-request pass."""
+        if bool(facts.retained.any()):
+            return None
         owned, key, cpu_block = facts.owned, facts.key, facts.cpu_block
         rest = owned
         if self.in_flight:

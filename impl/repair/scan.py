@@ -10,7 +10,9 @@ ones), which free entries are pinned, and which keys each request read (an alloc
 that evicts one ends the batch before that request; ``kvspec.impl.repair.commit``).
 
 Per position, in group order from the cursor, ``rules.repair_step`` decides: a position
-the request does not own is passed; an owned one is classified by key
+the request does not own is stored from its retained copy (a free GPU block carrying the
+request's key: the table's, else the GPU prefix cache's) when that copy's key is READY,
+never indexed or pinned, else passed; an owned one is classified by key
 (``rules.classify_store_candidate``): IN_FLIGHT or a repeat of a key the request selected
 (an owner only), ALREADY_CACHED (pinned for the step, R5; the scan stops instead when
 pinning a free entry would leave no room for the step's selection) or READY (selected
@@ -39,6 +41,8 @@ from kvspec.model.rules import (
     NOT_OWNED,
     PASS,
     PIN,
+    READY,
+    RETAINED,
     SELECT,
     STOP,
     classify_store_candidate,
@@ -50,9 +54,10 @@ from kvspec.model.rules import (
 class CandidateFacts(NamedTuple):
     """Per candidate position of a batch (flat, in visiting order), one gather each."""
 
-    gpu_block: torch.Tensor  # the request's GPU block at the position
-    owned: torch.Tensor  # the request owns it there (R1)
-    key: torch.Tensor  # its key where owned, else -1
+    gpu_block: torch.Tensor  # the block to store: the request's at the position, or its retained copy
+    owned: torch.Tensor  # the request owns the position's block (R1)
+    retained: torch.Tensor  # not owned, and a retained copy carries the request's key (R3)
+    key: torch.Tensor  # the request's key where owned or retained, else -1
     cpu_block: torch.Tensor  # the key's first CPU block, -1 when not cached
     cpu_free: torch.Tensor  # that CPU block is free (ref 0)
 
@@ -64,6 +69,7 @@ class CandidateLists(NamedTuple):
     position: list[int]
     gpu_block: list[int]
     owned: list[bool]
+    retained: list[bool]
     key: list[int]
     cpu_block: list[int]
     cpu_free: list[bool]
@@ -71,10 +77,10 @@ class CandidateLists(NamedTuple):
     @classmethod
     def of(cls, layout: Layout, facts: CandidateFacts) -> CandidateLists:
         return cls(layout.group.tolist(), layout.position.tolist(), facts.gpu_block.tolist(), facts.owned.tolist(),
-                   facts.key.tolist(), facts.cpu_block.tolist(), facts.cpu_free.tolist())
+                   facts.retained.tolist(), facts.key.tolist(), facts.cpu_block.tolist(), facts.cpu_free.tolist())
 
 
-NO_CANDIDATES = CandidateLists([], [], [], [], [], [], [])
+NO_CANDIDATES = CandidateLists([], [], [], [], [], [], [], [])
 
 
 @dataclass
@@ -119,18 +125,23 @@ class BatchScanner:
         G = host.config.num_groups
         hid = host.stores.hash_ids_at(slots[layout.request], layout.position)
         want = torch.where(hid >= 0, hid * G + layout.group, -2)
-        block_key = host.gpu_pool.key[blocks]
-        owned = (blocks != 0) & (block_key == want) & (host.gpu_pool.ref[blocks] >= 1)
+        gpu = host.gpu_pool
+        block_key = gpu.key[blocks]
+        carries = (blocks != 0) & (block_key == want)
+        owned = carries & (gpu.ref[blocks] >= 1)
         if self.ownership.sliding_groups:
             computed = int_tensor([r.num_computed_tokens for r in requests], host.device)
             w = self._windows[layout.group]
             owned &= (w == 0) | (layout.position >= window_floors(computed[layout.request], w, host.config.block_size))
-        key = torch.where(owned, block_key, -1)
+        # R3: a retained copy, the table's block if it carries the key, else the prefix cache's
+        kept = torch.where(carries, blocks, gpu.first_of(want.clamp(min=-1)))
+        retained = ~owned & (kept > 0) & (gpu.ref[kept.clamp(min=0)] == 0)
+        key = torch.where(owned | retained, want, -1)
         cpu = host.cpu_pool
         cpu.index.ensure(host.keys.key_capacity)
         cpu_block = cpu.index.first_known(key)
         cpu_free = (cpu_block >= 0) & (cpu.ref[cpu_block.clamp(min=0)] == 0)
-        return CandidateFacts(blocks, owned, key, cpu_block, cpu_free)
+        return CandidateFacts(torch.where(retained, kept, blocks), owned, retained, key, cpu_block, cpu_free)
 
     def plan(self, i: int, rid: str, slot: int, cursors: list[int] | None, cands: CandidateLists,
              lo: int, hi: int, state: ScanState) -> RequestPlan:
@@ -183,10 +194,12 @@ class BatchScanner:
                 continue
             kid, cb = c.key[j], c.cpu_block[j]
             entry_free = False
-            if c.owned[j]:
+            if c.owned[j] or c.retained[j]:
                 sensitive[kid] = i
                 busy = counts.get(kid, 0) + batch_keys.get(kid, 0) > 0
-                kind = classify_store_candidate(False, True, busy, cb >= 0)  # owned: not null, hashed
+                kind = classify_store_candidate(False, True, busy, cb >= 0)  # not null, hashed
+                if c.retained[j]:
+                    kind = RETAINED if kind == READY else NOT_OWNED
                 entry_free = kind == ALREADY_CACHED and c.cpu_free[j] and cb not in pinned
             else:
                 kind = NOT_OWNED
@@ -197,8 +210,9 @@ class BatchScanner:
             plan.advance[g] += 1
             if step == PASS:
                 continue
-            plan.owned.append((rid, g, c.position[j]))
-            plan.owned_keys.append(kid)
+            if c.owned[j]:
+                plan.owned.append((rid, g, c.position[j]))
+                plan.owned_keys.append(kid)
             if step == PIN:
                 plan.judged_cached.append(kid)
                 plan.pins.append(cb)
