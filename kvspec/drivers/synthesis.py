@@ -1,0 +1,281 @@
+"""Z3 counterexamples become engine traces that reach the solver's state.
+
+A completeness counterexample (``kvspec.specs.obligations.COUNTEREXAMPLES``) is an abstract
+pre-state of one request, one transition, and a post-state that breaks the property. The
+models are asked for inside ``kvspec.specs.realizable``'s fragment, which this module builds:
+
+* **Goal** (``goal_of``): the pre-state's cursor ``k``, confirmed count ``c``, length ``N`` and,
+  per position below the cursor, its status (in flight ``I``, cached and free ``C``, hole
+  ``H``); the failing step (``evict``: which copies it evicts; ``plan``: whether the request is
+  scheduled); the holes the post-state leaves.
+* **Construction** (``build``), synchronous scheduling (``async_scheduling=False``, like the
+  hand-written stories), block size ``B`` chosen by the caller, a CPU pool of exactly ``k``
+  usable blocks. Request R (family 1) prefills ``B`` tokens a step, so each step confirms one
+  block and R's plan stores one position per store event until the pool is full: the cursor
+  stops at ``k``. R is either *idle* (``max_tokens`` 1: after its prompt nothing schedules it)
+  or *decoding* (scheduled every step). Request Q (family 2, ``h`` blocks, prefilled in one
+  step) is the evictor. Then the events of the positions to evict land first (the CPU free
+  queue is LRU, so their copies are at its head), then those of the other ``C`` positions;
+  ``I`` events never land. Q's finish flush allocates ``h`` blocks: exactly the head copies
+  are evicted (for signal-rescan this sets the flag). For ``plan`` the pre-state is after the
+  flush and the failing operation is a step (R idle: not scheduled, H1; R decoding: scheduled
+  with no free CPU block, H3); for ``evict`` the pre-state is before the flush and the flush
+  is the failing operation (T2). Two more steps follow (the holes stay).
+* **Search** (``synthesize``): R's prompt length, idle or decoding, and the number of extra
+  steps before Q's admission decide ``N`` and ``c``; each candidate is run on the model, and the
+  first whose reached state maps (``specs.refinement.abstract_snapshot``) to exactly the
+  solver's pre-state, and whose failing operation leaves exactly the solver's holes below the
+  cursor (C1), is returned. O(candidates x trace length) engine operations, about
+  ``B * (c - k + 2) * (2B + 1)`` candidates of ``O(c * B)`` operations at most.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import InvalidOperationError, KVSpecError
+from kvspec.drivers.engine import Engine
+from kvspec.drivers.trace import Trace, loads
+from kvspec.model import make_scheduler
+from kvspec.oracle.catalogue import check
+from kvspec.specs.realizable import POSITIONS
+from kvspec.specs.refinement import abstract_snapshot
+
+FOCAL, EVICTOR = "R", "Q"
+GPU_BLOCKS = 96
+DECODE_TOKENS = 64  # max_tokens of a decoding focal request (never reached here)
+TAIL = 2  # steps after the failing operation
+SETTLE_STEPS = 8  # an idle request stops computing within two steps
+POLICY = {"completeness-c1:T2": "baseline", "completeness-flag:H1": "signal-rescan",
+          "completeness-flag:H3": "signal-rescan"}
+SHOWN = ("hashed", "owned", "cached", "cfree", "infl", "lost")
+
+
+def base_name(obligation: str) -> str:
+    """``bounded:completeness-c1:T2[N<=8]`` -> ``completeness-c1:T2``."""
+    return obligation.removeprefix("bounded:").split("[")[0]
+
+
+@dataclass(frozen=True)
+class Goal:
+    """What a counterexample asks of the engine: the pre-state to reach and the step to take."""
+
+    policy: str
+    conf: int
+    n: int
+    cur: int
+    status: tuple[str, ...]  # per position below the cursor: "I", "C" or "H"
+    step: str  # "evict" or "plan"
+    evicted: tuple[int, ...]  # evict: positions whose copies the step evicts
+    scheduled: bool  # plan: the request is scheduled in the failing step
+    holes_after: tuple[int, ...]  # owned hashed positions below the cursor left uncovered
+
+    @property
+    def first(self) -> tuple[int, ...]:
+        """The positions whose copies Q's flush must evict: the holes (plan) or the victims (evict)."""
+        if self.step == "evict":
+            return self.evicted
+        return tuple(p for p, s in enumerate(self.status) if s == "H")
+
+
+def goal_of(obligation: str, cex: dict[str, Any]) -> Goal:
+    """Read a counterexample model (``obligations.counterexamples``) as a goal. O(POSITIONS)."""
+    name = base_name(obligation)
+    k = cex["pre.cur0"]
+
+    def bit(tag: str, a: str, p: int) -> bool:
+        return bool(cex[f"{tag}.{a}0"][p])
+
+    status = tuple("I" if bit("pre", "infl", p) else "C" if bit("pre", "cached", p) else "H" for p in range(k))
+    holes = tuple(p for p in range(k) if bit("post", "owned", p) and bit("post", "hashed", p)
+                  and not bit("post", "cached", p) and not bit("post", "infl", p))
+    evict = name.endswith("T2")
+    return Goal(POLICY[name], cex["pre.conf"], cex["pre.N0"], k, status, "evict" if evict else "plan",
+                tuple(p for p in range(k) if bit("pre", "cached", p) and not bit("post", "cached", p)),
+                bool(cex.get("scheduled", False)), holes)
+
+
+def expected_state(cex: dict[str, Any]) -> dict[str, Any]:
+    """The model's pre-state as ``AbstractRequest.render()`` shows one: what the reached engine
+    state must map to. The owner index (``reg``) is a ghost the snapshot does not show."""
+    n = cex["pre.N0"]
+    arrays = {a: "".join("1" if b else "0" for b in cex[f"pre.{a}0"][:n]) for a in SHOWN}
+    return {"active": True, "conf": cex["pre.conf"], "flag": cex["pre.flag"],
+            "groups": [{"N": n, "cur": cex["pre.cur0"], **arrays, "reg": "?" * n}]}
+
+
+@dataclass(frozen=True)
+class Synthesis:
+    """A trace: ``ops[:failing]`` reach the pre-state, ``ops[failing]`` is the failing step."""
+
+    config: OffloadConfig
+    ops: list[dict[str, Any]]
+    failing: int
+
+    def trace(self, obligation: str) -> Trace:
+        """The trace as ``kvspec replay`` reads it, with the first C1 finding recorded."""
+        first = first_c1(self.config, self.ops)
+        finding = None if first is None else {"kind": "violation", "op_index": first, "invariant": "C1",
+                                              "exception": None}
+        note = (f"synthesised from the Z3 counterexample {obligation}: operations 0..{self.failing - 1} "
+                f"reach its pre-state of request {FOCAL}, operation {self.failing} is its failing step")
+        return Trace(self.config, list(self.ops), note=note, oracle=("C1",), finding=finding)
+
+
+def c1_positions(snap: dict[str, Any]) -> tuple[int, ...]:
+    """Positions of the focal request's group 0 that C1 reports, in order."""
+    out = []
+    for v in check(snap, ["C1"]):
+        if FOCAL in v.requests and v.message.startswith("group 0 position "):
+            out.append(int(v.message.split()[3].rstrip(":")))
+    return tuple(sorted(out))
+
+
+def first_c1(config: OffloadConfig, ops: list[dict[str, Any]]) -> int | None:
+    """The index of the first operation after which C1 reports something, or None."""
+    e = Engine(make_scheduler(config))
+    for i, op in enumerate(ops):
+        e.apply(op)
+        if check(e.snapshot(), ["C1"]):
+            return i
+    return None
+
+
+class _Recorder:
+    """An engine and the operations applied to it."""
+
+    def __init__(self, config: OffloadConfig) -> None:
+        self.engine = Engine(make_scheduler(config))
+        self.ops: list[dict[str, Any]] = []
+
+    def apply(self, **op: Any) -> Any:
+        self.ops.append(op)
+        return self.engine.apply(op)
+
+    def settle(self, block_size: int) -> None:
+        """Step until the focal request computes nothing more (idle: its ``max_tokens`` reached)."""
+        r = self.engine.requests[FOCAL]
+        before = -1
+        for _ in range(SETTLE_STEPS):
+            if before == r.num_computed_tokens:
+                return
+            before = r.num_computed_tokens
+            self.apply(op="step", chunk=block_size)
+        raise InvalidOperationError(f"{FOCAL} still computes after {SETTLE_STEPS} steps")
+
+    def stored(self) -> int:
+        st = self.engine.snapshot()["scheduler"]["reqs_to_store"].get(FOCAL)
+        return 0 if st is None else int(st["num_stored_blocks"][0])
+
+
+def _report_order(rec: _Recorder, goal: Goal) -> list[int] | None:
+    """R's store events to land: those of ``goal.first`` first, then those of the other cached
+    positions; None when one event mixes positions that must be treated differently."""
+    table = rec.engine.requests[FOCAL].table[0]
+    first, later = [], []
+    for e, (gpu, _) in sorted(rec.engine.store_transfers.items()):
+        kinds = {"first" if p in goal.first else goal.status[p] for p in (table.index(b) for b in gpu)}
+        if len(kinds) != 1:
+            return None
+        kind = kinds.pop()
+        if kind == "first":
+            first.append(e)
+        elif kind == "C":
+            later.append(e)
+        elif kind == "H":  # a hole that the flush does not evict: not in the fragment
+            return None
+    return first + later
+
+
+# long function: the construction, one phase after another, reads best in one place
+def build(goal: Goal, block_size: int, prompt: int, decoding: bool, extra: int) -> Synthesis | None:
+    """Run one candidate (module docstring, "Construction"); None when it cannot be built."""
+    B, h = block_size, len(goal.first)
+    cfg = OffloadConfig(block_size=B, num_cpu_blocks=goal.cur + 1, num_gpu_blocks=GPU_BLOCKS, policy=goal.policy,
+                        async_scheduling=False, max_num_batched_tokens=4096)
+    rec = _Recorder(cfg)
+    rec.apply(op="add", rid=FOCAL, family=1, prompt_len=prompt, max_tokens=DECODE_TOKENS if decoding else 1)
+    rec.apply(op="step", admit=[FOCAL], chunk=B)
+    for _ in range(2 * (goal.conf + 2)):
+        if rec.stored() >= goal.cur:
+            break
+        rec.apply(op="step", chunk=B)
+    if rec.stored() != goal.cur:
+        return None
+    for _ in range(extra):
+        rec.apply(op="step", chunk=B)
+    if not decoding:
+        rec.settle(B)
+    if h:
+        rec.apply(op="add", rid=EVICTOR, family=2, prompt_len=h * B, max_tokens=1)
+        rec.apply(op="step", admit=[EVICTOR], chunk=h * B)
+    order = _report_order(rec, goal)
+    if order is None:
+        return None
+    for e in order:
+        rec.apply(op="report", event=e)
+    if goal.step == "plan" and h:
+        rec.apply(op="finish", rid=EVICTOR)
+    failing = len(rec.ops)
+    rec.ops.append({"op": "finish", "rid": EVICTOR} if goal.step == "evict" else {"op": "step", "chunk": B})
+    rec.ops += [{"op": "step", "chunk": B}] * TAIL
+    return Synthesis(cfg, rec.ops, failing)
+
+
+def verify(obligation: str, cex: dict[str, Any], syn: Synthesis) -> str | None:
+    """None when the trace does what the counterexample says, else what it does not. The trace is
+    written and read back (``kvspec replay``'s format) and run on a fresh model: after
+    ``ops[:failing]`` the focal request maps (``abstract_snapshot``) to exactly the model's
+    pre-state; after the failing operation and each later one, C1 reports exactly the model's
+    post-state holes below the cursor and the signal-rescan flag is clear (so its completeness
+    claim, a hole only while the flag is set, fails there); and C1 holds before the failing
+    operation exactly when the model's pre-state has no hole. O(trace length) engine operations."""
+    goal = goal_of(obligation, cex)
+    trace = loads(syn.trace(obligation).dumps())
+    ops = trace.ops
+    e = Engine(make_scheduler(trace.config))
+    for op in ops[: syn.failing]:
+        e.apply(op)
+    state = abstract_snapshot(e.snapshot()).get(FOCAL)
+    want = expected_state(cex)
+    if state is None or state.render() != want:
+        return f"pre-state {None if state is None else state.render()} != the model's {want}"
+    if bool(c1_positions(e.snapshot())) != ("H" in goal.status):
+        return f"C1 before the failing operation: {c1_positions(e.snapshot())}, the model's holes {goal.status}"
+    for i, op in enumerate(ops[syn.failing:], syn.failing):
+        e.apply(op)
+        snap = e.snapshot()
+        if c1_positions(snap) != goal.holes_after:
+            return f"operation {i}: C1 at {c1_positions(snap)}, the model's holes {goal.holes_after}"
+        if snap["scheduler"]["policy_state"].get("eviction_flag", False):
+            return f"operation {i}: the eviction flag is still set"
+    return None
+
+
+def _candidates(goal: Goal, B: int) -> Iterator[tuple[int, bool, int]]:
+    """(prompt length, decoding, extra steps): the idle request first where the step allows it."""
+    modes = (True,) if goal.step == "plan" and goal.scheduled else \
+        (False,) if goal.step == "plan" else (False, True)
+    prompts = range(max(1, goal.cur * B), (goal.conf + 1) * B + 1)
+    for decoding in modes:
+        extras = range(2 * B + 1) if decoding else range(1)
+        yield from ((p, decoding, x) for p, x in itertools.product(prompts, extras))
+
+
+def synthesize(obligation: str, cex: dict[str, Any], block_size: int) -> Synthesis | None:
+    """The first candidate trace that reaches the model's pre-state and reproduces its holes;
+    None when no candidate does (the model is outside what ``build`` constructs)."""
+    goal = goal_of(obligation, cex)
+    assert goal.n <= POSITIONS
+    for prompt, decoding, extra in _candidates(goal, block_size):
+        try:
+            syn = build(goal, block_size, prompt, decoding, extra)
+        except KVSpecError:
+            continue  # an operation the engine refuses: not this candidate
+        if syn is not None and verify(obligation, cex, syn) is None:
+            return syn
+    return None
