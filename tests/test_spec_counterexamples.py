@@ -20,6 +20,7 @@ import pytest
 import z3
 
 from kvspec.cli import main
+from kvspec.drivers import synthesis
 from kvspec.drivers.harness import run_ops
 from kvspec.drivers.synthesis import Synthesis, base_name, expected_state, goal_of, synthesize, verify
 from kvspec.model import make_scheduler
@@ -188,3 +189,23 @@ def test_verify_rejects_a_trace_for_another_state(found: dict[str, dict[str, Any
     assert verify(name, cex, shorter) is None
     early = replace(syn, failing=syn.failing - 1)  # the pre-state one operation early
     assert verify(name, cex, early) is not None
+
+
+def test_prove_writes_the_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvspec prove --traces DIR`` synthesises each completeness counterexample's trace (its
+    length in the table) and writes it; each file replays to its recorded finding."""
+    assert main(["prove", "-k", "completeness-flag:H3", "--traces", str(tmp_path / "t")]) == 0
+    assert capsys.readouterr().out.count("reach the pre-state, operation") == 2
+    files = sorted((tmp_path / "t").glob("*.jsonl"))
+    assert [f.name for f in files] == ["bounded_completeness-flag_H3_N_8_-signal-rescan.jsonl",
+                                       "completeness-flag_H3-signal-rescan.jsonl"]
+    for f in files:
+        assert main(["replay", str(f)]) == 1
+        assert ": reproduced" in capsys.readouterr().out
+
+
+def test_prove_fails_without_a_trace(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A counterexample no trace reaches is a failure of ``kvspec prove`` (``no trace``)."""
+    monkeypatch.setattr(synthesis, "synthesize", lambda name, cex, block: None)
+    assert main(["prove", "-k", "completeness-c1:T2"]) == 1
+    assert "no trace" in capsys.readouterr().out

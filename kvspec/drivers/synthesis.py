@@ -32,8 +32,11 @@ models are asked for inside ``kvspec.specs.realizable``'s fragment, which this m
 from __future__ import annotations
 
 import itertools
+import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvspec.contract.config import OffloadConfig
@@ -42,10 +45,12 @@ from kvspec.drivers.engine import Engine
 from kvspec.drivers.trace import Trace, loads
 from kvspec.model import make_scheduler
 from kvspec.oracle.catalogue import check
+from kvspec.specs.obligations import Result
 from kvspec.specs.realizable import POSITIONS
 from kvspec.specs.refinement import abstract_snapshot
 
 FOCAL, EVICTOR = "R", "Q"
+BLOCK = 4  # the block size kvspec prove builds its traces with
 GPU_BLOCKS = 96
 DECODE_TOKENS = 64  # max_tokens of a decoding focal request (never reached here)
 TAIL = 2  # steps after the failing operation
@@ -279,3 +284,29 @@ def synthesize(obligation: str, cex: dict[str, Any], block_size: int) -> Synthes
         if syn is not None and verify(obligation, cex, syn) is None:
             return syn
     return None
+
+
+def trace_file(directory: Path, obligation: str, policy: str) -> Path:
+    """Where ``kvspec prove --traces`` writes an obligation's trace: one file per (name, policy)."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{obligation}-{policy}").strip("_")
+    return directory / f"{stem}.jsonl"
+
+
+def realise(res: Result, save: Path | None = None, block_size: int = BLOCK) -> None:
+    """For a found completeness counterexample (``kvspec prove``): synthesise its trace and
+    ``verify`` it; the result's detail then names the trace's length and failing operation, and
+    the trace is written under ``save`` when given. No trace, or one that does not verify, turns
+    the result into ``no trace`` (a failure). The synthesis time is added to the result's. Other
+    results are left as they are."""
+    if res.kind != "counterexample" or res.result != "found" or base_name(res.name) not in POLICY:
+        return
+    t0 = time.perf_counter()
+    syn = synthesize(res.name, res.model, block_size)
+    res.seconds += time.perf_counter() - t0
+    if syn is None:
+        res.result, res.detail = "no trace", f"no trace reaches the model's pre-state {expected_state(res.model)}"
+        return
+    res.detail = (f"trace of {len(syn.ops)} operations (block size {block_size}): operations 0-{syn.failing - 1} "
+                  f"reach the pre-state, operation {syn.failing} is the failing step")
+    if save is not None:
+        syn.trace(res.name).write(trace_file(save, res.name, res.policy))
