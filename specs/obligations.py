@@ -30,7 +30,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import z3
 
@@ -734,14 +734,14 @@ WITNESSES: tuple[tuple[str, str, tuple[str, ...], Condition, str], ...] = (
 def _cex_t2(enc: Encoding, count: int = 1) -> tuple[str, str, list[dict[str, Any]]]:
     """An eviction below the baseline's cursor (the FIXME)."""
     return counterexamples(enc, "baseline", "c1", evict,
-                           lambda s, st: realizable(enc, "baseline", s, st.inputs), count)
+                           lambda s, st: realizable(enc, "baseline", s, st), count)
 
 
 def _cex_h1(enc: Encoding, count: int = 1) -> tuple[str, str, list[dict[str, Any]]]:
     """The flag is consumed by a planning step that does not schedule the request."""
     return counterexamples(enc, "signal-rescan", "flag", plan_scan,
                            lambda s, st: [z3.Not(st.inputs["scheduled"]),
-                                          *realizable(enc, "signal-rescan", s, st.inputs)], count)
+                                          *realizable(enc, "signal-rescan", s, st)], count)
 
 
 def _cex_h3(enc: Encoding, count: int = 1) -> tuple[str, str, list[dict[str, Any]]]:
@@ -750,13 +750,26 @@ def _cex_h3(enc: Encoding, count: int = 1) -> tuple[str, str, list[dict[str, Any
     restore's own allocation evicts again and re-sets the flag: that is H6, not H3.)"""
     return counterexamples(enc, "signal-rescan", "flag", plan_scan,
                            lambda s, st: [st.inputs["scheduled"], s.flag, st.inputs["free"] == 0,
-                                          *realizable(enc, "signal-rescan", s, st.inputs)], count)
+                                          *realizable(enc, "signal-rescan", s, st)], count)
 
 
-COUNTEREXAMPLES: dict[str, Callable[..., tuple[str, str, list[dict[str, Any]]]]] = {
-    "completeness-c1:T2": _cex_t2, "completeness-flag:H1": _cex_h1, "completeness-flag:H3": _cex_h3}
-"""The completeness counterexamples by obligation name (the bounded ones add ``bounded:`` and
-``[N<=8]``): ``fn(enc, count)`` -> (result, detail, up to ``count`` distinct models)."""
+class Completeness(NamedTuple):
+    """A completeness counterexample: ``find(enc, count)`` -> (result, detail, up to ``count``
+    distinct models), the policy it is about, and what it shows."""
+
+    find: Callable[..., tuple[str, str, list[dict[str, Any]]]]
+    policy: str
+    statement: str
+
+
+COUNTEREXAMPLES: dict[str, Completeness] = {
+    "completeness-c1:T2": Completeness(_cex_t2, "baseline", "an eviction below the cursor leaves a hole C1 reports"),
+    "completeness-flag:H1": Completeness(_cex_h1, "signal-rescan",
+                                         "the flag is consumed while the request is not scheduled"),
+    "completeness-flag:H3": Completeness(_cex_h3, "signal-rescan", "Phase 1a runs out of CPU space; the flag is gone"),
+}
+"""The completeness counterexamples (the FIXME and the #47235 hazards) by obligation name; the
+catalogue adds ``[G=2]`` (two groups) and ``bounded:...[N<=8]`` (the unrolled encoding)."""
 
 
 def _first(found: tuple[str, str, list[dict[str, Any]]]) -> tuple[str, str, dict[str, Any]]:
@@ -853,15 +866,10 @@ def _default_catalogue(quick: bool) -> list[Obligation]:
                           "re-stores consume distinct pending lost records of uncovered keys"))
     obs.append(Obligation("no-lookback", "baseline", "proof", lambda: no_lookback(Quant(1), "baseline"),
                           "the baseline scan never selects below the cursor"))
-    # expected counterexamples (the FIXME and the #47235 hazards)
-    obs.append(Obligation("completeness-c1:T2", "baseline", "counterexample", lambda: _first(_cex_t2(Quant(1))),
-                          "an eviction below the cursor leaves a hole C1 reports"))
-    obs.append(Obligation("completeness-flag:H1", "signal-rescan", "counterexample",
-                          lambda: _first(_cex_h1(Quant(1))),
-                          "the flag is consumed while the request is not scheduled"))
-    obs.append(Obligation("completeness-flag:H3", "signal-rescan", "counterexample",
-                          lambda: _first(_cex_h3(Quant(1))),
-                          "Phase 1a runs out of CPU space; the flag is gone"))
+    for G in groups:  # expected counterexamples (the FIXME and the #47235 hazards)
+        for name, cx in COUNTEREXAMPLES.items():
+            obs.append(Obligation(name + ("" if G == 1 else f"[G={G}]"), cx.policy, "counterexample",
+                                  lambda cx=cx, G=G: _first(cx.find(Quant(G))), cx.statement))
     # bounded cross-checks: a second, quantifier-free encoding with N <= BOUND
     obs += _bounded_per_policy(BOUND, None if quick else BOUND_G2)
     for G in groups:
@@ -876,12 +884,9 @@ def _default_catalogue(quick: bool) -> list[Obligation]:
                           lambda: no_lookback(Unrolled(1, BOUND), "baseline")))
     obs.append(Obligation(f"bounded:no-amplification[N<={BOUND}]", "repair", "bounded",
                           lambda: no_amplification(Unrolled(1, BOUND))))
-    obs.append(Obligation(f"bounded:completeness-c1:T2[N<={BOUND}]", "baseline", "counterexample",
-                          lambda: _first(_cex_t2(Unrolled(1, BOUND)))))
-    obs.append(Obligation(f"bounded:completeness-flag:H1[N<={BOUND}]", "signal-rescan", "counterexample",
-                          lambda: _first(_cex_h1(Unrolled(1, BOUND)))))
-    obs.append(Obligation(f"bounded:completeness-flag:H3[N<={BOUND}]", "signal-rescan", "counterexample",
-                          lambda: _first(_cex_h3(Unrolled(1, BOUND)))))
+    for name, cx in COUNTEREXAMPLES.items():
+        obs.append(Obligation(f"bounded:{name}[N<={BOUND}]", cx.policy, "counterexample",
+                              lambda cx=cx: _first(cx.find(Unrolled(1, BOUND)))))
     # vacuity: broken invariants are refuted; the behaviours the proofs cover are possible
     obs.append(Obligation("vacuity:c2-without-records", "repair", "vacuity",
                           lambda: refuted(Quant(1), "repair", lambda e, s: c1(e, s)),

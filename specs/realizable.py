@@ -2,8 +2,10 @@
 
 The completeness counterexamples (T2, H1, H3) are asked for inside this fragment, so every
 model Z3 returns is a state that ``kvspec.drivers.synthesis`` builds on the engine, position
-for position (PROOFS.md, "Counterexamples become traces"). One group, the focal request active,
-and with ``k`` the cursor and ``c`` the confirmed count (``1 <= k <= c <= MAX_CONF``):
+for position (PROOFS.md, "Counterexamples become traces"). The focal request is active; with
+several groups they are *twins* (every group equals group 0 in length, cursor and every array,
+and a step leaves the same positions cached in each); with ``k`` group 0's cursor and ``c`` the
+confirmed count (``1 <= k <= c <= MAX_CONF``):
 
 * ``N`` is ``c`` or ``c + 1``; positions below ``c`` are hashed and owned, position ``c`` (when
   ``N = c + 1``) is a partial block: neither hashed nor owned, nor cached, nor in flight;
@@ -12,20 +14,20 @@ and with ``k`` the cursor and ``c`` the confirmed count (``1 <= k <= c <= MAX_CO
   CPU free queue (``C``), or a hole (``H``: neither); from the cursor on, none of these;
 * no lost records (non-repair policies); the signal-rescan flag is set iff there is a hole
   (baseline: never set);
-* a planning step's free count is the number of cached copies in the free queue (the
-  synthesiser's CPU pool holds nothing else that is free).
+* a planning step's free count is the number of cached copies in the free queue, over the
+  groups (the synthesiser's CPU pool holds nothing else that is free).
 
 What it leaves out: copies pinned out of the free queue, positions above the cursor that
-other requests stored, two groups, repair's records. Size: O(POSITIONS) constraints.
+other requests stored, groups that differ, sliding windows, repair's records. Size:
+O(G x POSITIONS) constraints.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import z3
 
-from kvspec.specs.encoding import Encoding, State
+from kvspec.specs.encoding import ARRAYS, Encoding, State
+from kvspec.specs.transitions import Step
 
 MAX_CONF = 6
 POSITIONS = 8  # positions read from a model (>= MAX_CONF + 1)
@@ -41,9 +43,17 @@ def status_bits(enc: Encoding, s: State, p: int) -> dict[str, z3.BoolRef]:
             "H": z3.And(z3.Not(infl), z3.Not(cached), z3.Not(cfree))}
 
 
-def realizable(enc: Encoding, policy: str, s: State, inputs: dict[str, Any]) -> list[z3.BoolRef]:
-    """The fragment's constraints on pre-state ``s`` (group 0) and a step's ``inputs``."""
-    assert enc.G == 1, "the synthesiser builds one-group states"
+def _twins(enc: Encoding, s: State, names: tuple[str, ...]) -> list[z3.BoolRef]:
+    """Every group of ``s`` equals group 0 in length, cursor and the arrays ``names``."""
+    out: list[z3.BoolRef] = []
+    for g in range(1, enc.G):
+        out += [s.groups[g].n == s.groups[0].n, s.groups[g].cur == s.groups[0].cur]
+        out += [enc.v(s, g, a, p) == enc.v(s, 0, a, p) for a in names for p in range(POSITIONS)]
+    return out
+
+
+def realizable(enc: Encoding, policy: str, s: State, step: Step) -> list[z3.BoolRef]:
+    """The fragment's constraints on pre-state ``s`` and the ``step`` taken from it."""
     g, conf = s.groups[0], s.conf
     out: list[z3.BoolRef] = [s.active, 1 <= g.cur, g.cur <= conf, conf <= MAX_CONF,
                              z3.Or(g.n == conf + 1, z3.And(g.n == conf, g.cur < conf))]
@@ -55,6 +65,8 @@ def realizable(enc: Encoding, policy: str, s: State, inputs: dict[str, Any]) -> 
                 z3.Not(enc.v(s, 0, "lost", p)),
                 z3.If(p < g.cur, z3.Or(st["I"], st["C"], st["H"]), st["H"])]
     out.append(s.flag == z3.Or(holes) if policy == "signal-rescan" else z3.Not(s.flag))
-    if "free" in inputs:
-        out.append(inputs["free"] == z3.Sum([z3.If(enc.v(s, 0, "cfree", p), 1, 0) for p in range(POSITIONS)]))
+    out += _twins(enc, s, ARRAYS) + _twins(enc, step.post, ("cached",))
+    if "free" in step.inputs:
+        copies = z3.Sum([z3.If(enc.v(s, 0, "cfree", p), 1, 0) for p in range(POSITIONS)])
+        out.append(step.inputs["free"] == enc.G * copies)
     return out

@@ -39,13 +39,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvspec.contract.config import OffloadConfig
+from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.errors import InvalidOperationError, KVSpecError
 from kvspec.drivers.engine import Engine
 from kvspec.drivers.trace import Trace, loads
 from kvspec.model import make_scheduler
 from kvspec.oracle.catalogue import check
-from kvspec.specs.obligations import Result
+from kvspec.specs.obligations import COUNTEREXAMPLES, Result
 from kvspec.specs.realizable import POSITIONS
 from kvspec.specs.refinement import abstract_snapshot
 
@@ -55,13 +55,11 @@ GPU_BLOCKS = 96
 DECODE_TOKENS = 64  # max_tokens of a decoding focal request (never reached here)
 TAIL = 2  # steps after the failing operation
 SETTLE_STEPS = 8  # an idle request stops computing within two steps
-POLICY = {"completeness-c1:T2": "baseline", "completeness-flag:H1": "signal-rescan",
-          "completeness-flag:H3": "signal-rescan"}
 SHOWN = ("hashed", "owned", "cached", "cfree", "infl", "lost")
 
 
 def base_name(obligation: str) -> str:
-    """``bounded:completeness-c1:T2[N<=8]`` -> ``completeness-c1:T2``."""
+    """``bounded:completeness-c1:T2[N<=8]``, ``completeness-c1:T2[G=2]`` -> ``completeness-c1:T2``."""
     return obligation.removeprefix("bounded:").split("[")[0]
 
 
@@ -77,7 +75,8 @@ class Goal:
     step: str  # "evict" or "plan"
     evicted: tuple[int, ...]  # evict: positions whose copies the step evicts
     scheduled: bool  # plan: the request is scheduled in the failing step
-    holes_after: tuple[int, ...]  # owned hashed positions below the cursor left uncovered
+    holes_after: tuple[tuple[int, int], ...]  # (group, position) owned, hashed, below the cursor, uncovered
+    groups: int = 1  # twins: every group as group 0
 
     @property
     def first(self) -> tuple[int, ...]:
@@ -90,27 +89,35 @@ class Goal:
 def goal_of(obligation: str, cex: dict[str, Any]) -> Goal:
     """Read a counterexample model (``obligations.counterexamples``) as a goal. O(POSITIONS)."""
     name = base_name(obligation)
-    k = cex["pre.cur0"]
+    k, groups = cex["pre.cur0"], _groups(cex)
 
-    def bit(tag: str, a: str, p: int) -> bool:
-        return bool(cex[f"{tag}.{a}0"][p])
+    def bit(tag: str, a: str, p: int, g: int = 0) -> bool:
+        return bool(cex[f"{tag}.{a}{g}"][p])
 
     status = tuple("I" if bit("pre", "infl", p) else "C" if bit("pre", "cached", p) else "H" for p in range(k))
-    holes = tuple(p for p in range(k) if bit("post", "owned", p) and bit("post", "hashed", p)
-                  and not bit("post", "cached", p) and not bit("post", "infl", p))
+    holes = tuple((g, p) for g in range(groups) for p in range(cex[f"pre.cur{g}"])
+                  if bit("post", "owned", p, g) and bit("post", "hashed", p, g)
+                  and not bit("post", "cached", p, g) and not bit("post", "infl", p, g))
     evict = name.endswith("T2")
-    return Goal(POLICY[name], cex["pre.conf"], cex["pre.N0"], k, status, "evict" if evict else "plan",
+    return Goal(COUNTEREXAMPLES[name].policy, cex["pre.conf"], cex["pre.N0"], k, status, "evict" if evict else "plan",
                 tuple(p for p in range(k) if bit("pre", "cached", p) and not bit("post", "cached", p)),
-                bool(cex.get("scheduled", False)), holes)
+                bool(cex.get("scheduled", False)), holes, groups)
+
+
+def _groups(cex: dict[str, Any]) -> int:
+    return sum(1 for key in cex if key.startswith("pre.N"))
 
 
 def expected_state(cex: dict[str, Any]) -> dict[str, Any]:
     """The model's pre-state as ``AbstractRequest.render()`` shows one: what the reached engine
     state must map to. The owner index (``reg``) is a ghost the snapshot does not show."""
-    n = cex["pre.N0"]
-    arrays = {a: "".join("1" if b else "0" for b in cex[f"pre.{a}0"][:n]) for a in SHOWN}
+    def group(g: int) -> dict[str, Any]:
+        n = cex[f"pre.N{g}"]
+        arrays = {a: "".join("1" if b else "0" for b in cex[f"pre.{a}{g}"][:n]) for a in SHOWN}
+        return {"N": n, "cur": cex[f"pre.cur{g}"], **arrays, "reg": "?" * n}
+
     return {"active": True, "conf": cex["pre.conf"], "flag": cex["pre.flag"],
-            "groups": [{"N": n, "cur": cex["pre.cur0"], **arrays, "reg": "?" * n}]}
+            "groups": [group(g) for g in range(_groups(cex))]}
 
 
 @dataclass(frozen=True)
@@ -131,12 +138,13 @@ class Synthesis:
         return Trace(self.config, list(self.ops), note=note, oracle=("C1",), finding=finding)
 
 
-def c1_positions(snap: dict[str, Any]) -> tuple[int, ...]:
-    """Positions of the focal request's group 0 that C1 reports, in order."""
+def c1_positions(snap: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+    """(group, position) of the focal request that C1 reports, in order."""
     out = []
     for v in check(snap, ["C1"]):
-        if FOCAL in v.requests and v.message.startswith("group 0 position "):
-            out.append(int(v.message.split()[3].rstrip(":")))
+        words = v.message.split()
+        if FOCAL in v.requests and words[0] == "group" and words[2] == "position":
+            out.append((int(words[1]), int(words[3].rstrip(":"))))
     return tuple(sorted(out))
 
 
@@ -174,16 +182,16 @@ class _Recorder:
 
     def stored(self) -> int:
         st = self.engine.snapshot()["scheduler"]["reqs_to_store"].get(FOCAL)
-        return 0 if st is None else int(st["num_stored_blocks"][0])
+        return 0 if st is None else min(st["num_stored_blocks"])
 
 
 def _report_order(rec: _Recorder, goal: Goal) -> list[int] | None:
     """R's store events to land: those of ``goal.first`` first, then those of the other cached
     positions; None when one event mixes positions that must be treated differently."""
-    table = rec.engine.requests[FOCAL].table[0]
+    position = {b: p for t in rec.engine.requests[FOCAL].table for p, b in enumerate(t)}
     first, later = [], []
     for e, (gpu, _) in sorted(rec.engine.store_transfers.items()):
-        kinds = {"first" if p in goal.first else goal.status[p] for p in (table.index(b) for b in gpu)}
+        kinds = {"first" if p in goal.first else goal.status[p] for p in (position[b] for b in gpu)}
         if len(kinds) != 1:
             return None
         kind = kinds.pop()
@@ -200,8 +208,9 @@ def _report_order(rec: _Recorder, goal: Goal) -> list[int] | None:
 def build(goal: Goal, block_size: int, prompt: int, decoding: bool, extra: int) -> Synthesis | None:
     """Run one candidate (module docstring, "Construction"); None when it cannot be built."""
     B, h = block_size, len(goal.first)
-    cfg = OffloadConfig(block_size=B, num_cpu_blocks=goal.cur + 1, num_gpu_blocks=GPU_BLOCKS, policy=goal.policy,
-                        async_scheduling=False, max_num_batched_tokens=4096)
+    cfg = OffloadConfig(block_size=B, num_cpu_blocks=goal.groups * goal.cur + 1, num_gpu_blocks=GPU_BLOCKS,
+                        groups=(KVGroup(),) * goal.groups, policy=goal.policy, async_scheduling=False,
+                        max_num_batched_tokens=4096)
     rec = _Recorder(cfg)
     rec.apply(op="add", rid=FOCAL, family=1, prompt_len=prompt, max_tokens=DECODE_TOKENS if decoding else 1)
     rec.apply(op="step", admit=[FOCAL], chunk=B)
@@ -298,7 +307,7 @@ def realise(res: Result, save: Path | None = None, block_size: int = BLOCK) -> N
     the trace is written under ``save`` when given. No trace, or one that does not verify, turns
     the result into ``no trace`` (a failure). The synthesis time is added to the result's. Other
     results are left as they are."""
-    if res.kind != "counterexample" or res.result != "found" or base_name(res.name) not in POLICY:
+    if res.kind != "counterexample" or res.result != "found" or base_name(res.name) not in COUNTEREXAMPLES:
         return
     t0 = time.perf_counter()
     syn = synthesize(res.name, res.model, block_size)
