@@ -31,6 +31,7 @@ models are asked for inside ``kvspec.specs.realizable``'s fragment, which this m
 
 from __future__ import annotations
 
+import copy
 import itertools
 import re
 import time
@@ -204,10 +205,9 @@ def _report_order(rec: _Recorder, goal: Goal) -> list[int] | None:
     return first + later
 
 
-# long function: the construction, one phase after another, reads best in one place
-def build(goal: Goal, block_size: int, prompt: int, decoding: bool, extra: int) -> Synthesis | None:
-    """Run one candidate (module docstring, "Construction"); None when it cannot be built."""
-    B, h = block_size, len(goal.first)
+def _prefix(goal: Goal, B: int, prompt: int, decoding: bool) -> _Recorder | None:
+    """R added, admitted and prefilled ``B`` tokens a step until its cursor is ``goal.cur`` (the
+    CPU pool full); None when it never gets there."""
     cfg = OffloadConfig(block_size=B, num_cpu_blocks=goal.groups * goal.cur + 1, num_gpu_blocks=GPU_BLOCKS,
                         groups=(KVGroup(),) * goal.groups, policy=goal.policy, async_scheduling=False,
                         max_num_batched_tokens=4096)
@@ -218,26 +218,26 @@ def build(goal: Goal, block_size: int, prompt: int, decoding: bool, extra: int) 
         if rec.stored() >= goal.cur:
             break
         rec.apply(op="step", chunk=B)
-    if rec.stored() != goal.cur:
-        return None
-    for _ in range(extra):
-        rec.apply(op="step", chunk=B)
-    if not decoding:
-        rec.settle(B)
-    if h:
-        rec.apply(op="add", rid=EVICTOR, family=2, prompt_len=h * B, max_tokens=1)
-        rec.apply(op="step", admit=[EVICTOR], chunk=h * B)
+    return rec if rec.stored() == goal.cur else None
+
+
+def _complete(rec: _Recorder, goal: Goal, B: int) -> Synthesis | None:
+    """From R's prefix: Q admitted, the events landed in order, Q's flush (plan), then the failing
+    operation and the tail. ``rec``'s engine is left at the pre-state. None when the events do
+    not fit the goal."""
+    h = len(goal.first)
+    rec.apply(op="add", rid=EVICTOR, family=2, prompt_len=h * B, max_tokens=1)
+    rec.apply(op="step", admit=[EVICTOR], chunk=h * B)
     order = _report_order(rec, goal)
     if order is None:
         return None
     for e in order:
         rec.apply(op="report", event=e)
-    if goal.step == "plan" and h:
+    if goal.step == "plan":
         rec.apply(op="finish", rid=EVICTOR)
     failing = len(rec.ops)
-    rec.ops.append({"op": "finish", "rid": EVICTOR} if goal.step == "evict" else {"op": "step", "chunk": B})
-    rec.ops += [{"op": "step", "chunk": B}] * TAIL
-    return Synthesis(cfg, rec.ops, failing)
+    ops = [*rec.ops, {"op": "finish", "rid": EVICTOR} if goal.step == "evict" else {"op": "step", "chunk": B}]
+    return Synthesis(rec.engine.config, ops + [{"op": "step", "chunk": B}] * TAIL, failing)
 
 
 def verify(obligation: str, cex: dict[str, Any], syn: Synthesis) -> str | None:
@@ -270,27 +270,41 @@ def verify(obligation: str, cex: dict[str, Any], syn: Synthesis) -> str | None:
     return None
 
 
-def _candidates(goal: Goal, B: int) -> Iterator[tuple[int, bool, int]]:
-    """(prompt length, decoding, extra steps): the idle request first where the step allows it."""
+def _candidates(goal: Goal, B: int) -> Iterator[_Recorder]:
+    """R's prefixes, then each number of extra steps that keeps its confirmed count within the
+    goal's (a copy each): for every prompt length, idle first where the step allows it (an idle
+    request is settled, extra steps change nothing). O(prompts x (B + c)) engine steps."""
     modes = (True,) if goal.step == "plan" and goal.scheduled else \
         (False,) if goal.step == "plan" else (False, True)
-    prompts = range(max(1, goal.cur * B), (goal.conf + 1) * B + 1)
-    for decoding in modes:
-        extras = range(2 * B + 1) if decoding else range(1)
-        yield from ((p, decoding, x) for p, x in itertools.product(prompts, extras))
+    for decoding, prompt in itertools.product(modes, range(max(1, goal.cur * B), (goal.conf + 1) * B + 1)):
+        rec = _prefix(goal, B, prompt, decoding)
+        if rec is None:
+            continue
+        if not decoding:
+            rec.settle(B)
+            yield rec
+            continue
+        r = rec.engine.requests[FOCAL]
+        for _ in range((goal.conf + 2) * B):  # a decoding request computes a token a step
+            if r.num_computed_tokens // B > goal.conf:
+                break
+            yield copy.deepcopy(rec)
+            rec.apply(op="step", chunk=B)
 
 
 def synthesize(obligation: str, cex: dict[str, Any], block_size: int) -> Synthesis | None:
-    """The first candidate trace that reaches the model's pre-state and reproduces its holes;
-    None when no candidate does (the model is outside what ``build`` constructs)."""
-    goal = goal_of(obligation, cex)
+    """The first candidate trace that reaches the model's pre-state and reproduces its holes
+    (``verify``); None when no candidate does (the model is outside what the construction
+    builds). A candidate is verified only when its live engine is at the model's pre-state."""
+    goal, want = goal_of(obligation, cex), expected_state(cex)
     assert goal.n <= POSITIONS
-    for prompt, decoding, extra in _candidates(goal, block_size):
+    for rec in _candidates(goal, block_size):
         try:
-            syn = build(goal, block_size, prompt, decoding, extra)
+            syn = _complete(rec, goal, block_size)
         except KVSpecError:
             continue  # an operation the engine refuses: not this candidate
-        if syn is not None and verify(obligation, cex, syn) is None:
+        state = abstract_snapshot(rec.engine.snapshot()).get(FOCAL)
+        if syn is not None and state is not None and state.render() == want and verify(obligation, cex, syn) is None:
             return syn
     return None
 
