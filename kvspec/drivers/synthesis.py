@@ -8,25 +8,28 @@ models are asked for inside ``kvspec.specs.realizable``'s fragment, which this m
   per position below the cursor, its status (in flight ``I``, cached and free ``C``, hole
   ``H``); the failing step (``evict``: which copies it evicts; ``plan``: whether the request is
   scheduled); the holes the post-state leaves.
-* **Construction** (``build``), synchronous scheduling (``async_scheduling=False``, like the
-  hand-written stories), block size ``B`` chosen by the caller, a CPU pool of exactly ``k``
-  usable blocks. Request R (family 1) prefills ``B`` tokens a step, so each step confirms one
-  block and R's plan stores one position per store event until the pool is full: the cursor
-  stops at ``k``. R is either *idle* (``max_tokens`` 1: after its prompt nothing schedules it)
-  or *decoding* (scheduled every step). Request Q (family 2, ``h`` blocks, prefilled in one
-  step) is the evictor. Then the events of the positions to evict land first (the CPU free
-  queue is LRU, so their copies are at its head), then those of the other ``C`` positions;
-  ``I`` events never land. Q's finish flush allocates ``h`` blocks: exactly the head copies
-  are evicted (for signal-rescan this sets the flag). For ``plan`` the pre-state is after the
-  flush and the failing operation is a step (R idle: not scheduled, H1; R decoding: scheduled
-  with no free CPU block, H3); for ``evict`` the pre-state is before the flush and the flush
-  is the failing operation (T2). Two more steps follow (the holes stay).
-* **Search** (``synthesize``): R's prompt length, idle or decoding, and the number of extra
-  steps before Q's admission decide ``N`` and ``c``; each candidate is run on the model, and the
-  first whose reached state maps (``specs.refinement.abstract_snapshot``) to exactly the
-  solver's pre-state, and whose failing operation leaves exactly the solver's holes below the
-  cursor (C1), is returned. O(candidates x trace length) engine operations, about
-  ``B * (c - k + 2) * (2B + 1)`` candidates of ``O(c * B)`` operations at most.
+* **Construction**, synchronous scheduling (``async_scheduling=False``, like the hand-written
+  stories), block size ``B`` chosen by the caller, ``G`` full-attention groups (the fragment's
+  groups are twins), a CPU pool of exactly ``G * k`` usable blocks. Request R (family 1)
+  prefills ``B`` tokens a step, so each step confirms one block and R's plan stores one
+  position per group per store event until the pool is full: the cursor stops at ``k``
+  (``_prefix``). R is either *idle* (``max_tokens`` 1: after its prompt nothing schedules it)
+  or *decoding* (a token every step). Request Q (family 2, ``h`` blocks, prefilled in one step
+  while the pool is still full) is the evictor. Then the events of the positions to evict land
+  first (the CPU free queue is LRU, so their copies are at its head), then those of the other
+  ``C`` positions; ``I`` events never land. Q's finish flush allocates ``G * h`` blocks: exactly
+  the head copies are evicted (for signal-rescan this sets the flag). For ``plan`` the
+  pre-state is after the flush and the failing operation is a step (R idle: not scheduled, H1;
+  R decoding: scheduled with no free CPU block, H3); for ``evict`` the pre-state is before the
+  flush and the flush is the failing operation (T2). Two more steps follow (the holes stay).
+  (``_complete``.)
+* **Search** (``synthesize``): R's prompt length (``k * B`` to ``(c + 1) * B``), idle or
+  decoding, and for a decoding R the number of extra steps before Q's admission decide ``N``
+  and ``c``. Each prompt's prefix is run once; a decoding R's is copied after each extra step
+  while its confirmed count is at most ``c``. A candidate whose live engine is at the model's
+  pre-state (``specs.refinement.abstract_snapshot`` of R equal to the model's, position by
+  position) is checked by ``verify``, and the first that passes is returned. O(prompts x
+  (c + B)) candidates of O(c + B) operations; measured: 0.003-0.4 s per model here.
 """
 
 from __future__ import annotations
@@ -41,12 +44,12 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.contract.config import KVGroup, OffloadConfig
-from kvspec.contract.errors import InvalidOperationError, KVSpecError
+from kvspec.contract.errors import KVSpecError
 from kvspec.drivers.engine import Engine
 from kvspec.drivers.trace import Trace, loads
 from kvspec.model import make_scheduler
 from kvspec.oracle.catalogue import check
-from kvspec.specs.obligations import COUNTEREXAMPLES, Result
+from kvspec.specs.obligations import COUNTEREXAMPLES, SHOWN, Result
 from kvspec.specs.realizable import POSITIONS
 from kvspec.specs.refinement import abstract_snapshot
 
@@ -56,7 +59,6 @@ GPU_BLOCKS = 96
 DECODE_TOKENS = 64  # max_tokens of a decoding focal request (never reached here)
 TAIL = 2  # steps after the failing operation
 SETTLE_STEPS = 8  # an idle request stops computing within two steps
-SHOWN = ("hashed", "owned", "cached", "cfree", "infl", "lost")
 
 
 def base_name(obligation: str) -> str:
@@ -170,16 +172,17 @@ class _Recorder:
         self.ops.append(op)
         return self.engine.apply(op)
 
-    def settle(self, block_size: int) -> None:
-        """Step until the focal request computes nothing more (idle: its ``max_tokens`` reached)."""
+    def settle(self, block_size: int) -> bool:
+        """Step until the focal request computes nothing more (idle: its ``max_tokens`` reached);
+        False if it still computes after ``SETTLE_STEPS`` steps."""
         r = self.engine.requests[FOCAL]
         before = -1
         for _ in range(SETTLE_STEPS):
             if before == r.num_computed_tokens:
-                return
+                return True
             before = r.num_computed_tokens
             self.apply(op="step", chunk=block_size)
-        raise InvalidOperationError(f"{FOCAL} still computes after {SETTLE_STEPS} steps")
+        return False
 
     def stored(self) -> int:
         st = self.engine.snapshot()["scheduler"]["reqs_to_store"].get(FOCAL)
@@ -277,11 +280,13 @@ def _candidates(goal: Goal, B: int) -> Iterator[_Recorder]:
     modes = (True,) if goal.step == "plan" and goal.scheduled else \
         (False,) if goal.step == "plan" else (False, True)
     for decoding, prompt in itertools.product(modes, range(max(1, goal.cur * B), (goal.conf + 1) * B + 1)):
-        rec = _prefix(goal, B, prompt, decoding)
-        if rec is None:
-            continue
+        try:
+            rec = _prefix(goal, B, prompt, decoding)
+            if rec is None or not (decoding or rec.settle(B)):
+                continue
+        except KVSpecError:
+            continue  # an operation the engine refuses: not this prompt
         if not decoding:
-            rec.settle(B)
             yield rec
             continue
         r = rec.engine.requests[FOCAL]
