@@ -328,7 +328,8 @@ def counterexamples(enc: Encoding, policy: str, prop: str, fn: Callable[[Encodin
                     ) -> tuple[str, str, list[dict[str, Any]]]:
     """Find Inv and Step and extra with not Inv' (the property is not preserved): up to ``count``
     distinct models, each next one asked for with the previous ones blocked (they differ in the
-    pre-state or in the post-state's cached positions), on one solver (fixed seed, rlimit)."""
+    pre-state or in the post-state's cached positions), each query on a fresh solver (``_check``:
+    fixed seeds, rlimit)."""
     s, st = _step(enc, policy, fn)
     want = [inv_for(prop, enc, s), *st.constraints, *extra(s, st), z3.Not(inv_for(prop, enc, st.post))]
     shown = [*_shown_terms(enc, s, POSITIONS).values(),
@@ -341,15 +342,16 @@ def counterexamples(enc: Encoding, policy: str, prop: str, fn: Callable[[Encodin
                 m.eval(v, model_completion=True).as_long()
         return vals
 
-    r, sv = _check(want)
     models: list[dict[str, Any]] = []
+    blocked: list[z3.BoolRef] = []
+    r, sv = _check(want)
     while r == z3.sat:
         m = sv.model()
         models.append(read(m))
         if len(models) == count:
             break
-        sv.add(z3.Not(z3.And([t == m.eval(t, model_completion=True) for t in shown])))
-        r = sv.check()
+        blocked.append(z3.Not(z3.And([t == m.eval(t, model_completion=True) for t in shown])))
+        r, sv = _check([*want, *blocked])
     if models:
         return "found", "property not preserved", models
     return ("not found" if r == z3.unsat else "unknown"), ("" if r == z3.unsat else sv.reason_unknown()), []
