@@ -9,7 +9,7 @@ Kinds:
   ``0 <= N <= 8`` (an independent second encoding of the scan), or a check that the two
   scan encodings agree for every state with N <= 8.
 * ``counterexample`` — a property that must FAIL: Z3 must find a model (``found``); the
-  model's values are kept for ``specs.traces`` to turn into an engine trace.
+  model's values are kept for ``kvspec.drivers.synthesis`` to turn into an engine trace.
 * ``vacuity`` — a deliberately broken invariant that must be refuted, or a behaviour the
   proofs rely on being possible (out of space, a skipped group, a lost record) that must
   be satisfiable.
@@ -30,11 +30,12 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import z3
 
 from kvspec.specs.encoding import Encoding, Quant, State, Unrolled, reset_names
+from kvspec.specs.realizable import POSITIONS, realizable
 from kvspec.specs.transitions import (
     CURSOR_RESETS,
     TRANSITIONS,
@@ -300,23 +301,42 @@ def no_lookback(enc: Encoding, policy: str) -> tuple[str, str, dict[str, Any]]:
 # -- counterexamples ---------------------------------------------------------------------------
 
 
-def _read_state(m: z3.ModelRef, enc: Encoding, s: State, tag: str, upto: int = 8) -> dict[str, Any]:
-    out: dict[str, Any] = {f"{tag}.conf": m.eval(s.conf, model_completion=True).as_long(),
-                           f"{tag}.flag": z3.is_true(m.eval(s.flag, model_completion=True))}
+SHOWN = ("owned", "hashed", "cached", "cfree", "infl", "lost")  # the arrays a counterexample reports
+
+
+def _shown_terms(enc: Encoding, s: State, upto: int) -> dict[str, z3.ExprRef]:
+    """The terms of ``s`` a counterexample reports, by key: scalars, and each array of ``SHOWN`` at
+    positions below ``upto``."""
+    out: dict[str, z3.ExprRef] = {"conf": s.conf, "flag": s.flag}
     for g, grp in enumerate(s.groups):
-        out[f"{tag}.N{g}"] = m.eval(grp.n, model_completion=True).as_long()
-        out[f"{tag}.cur{g}"] = m.eval(grp.cur, model_completion=True).as_long()
-        for name in ("owned", "hashed", "cached", "infl"):
-            out[f"{tag}.{name}{g}"] = [z3.is_true(m.eval(enc.v(s, g, name, i), model_completion=True))
-                                       for i in range(upto)]
+        out[f"N{g}"], out[f"cur{g}"] = grp.n, grp.cur
+        for name in SHOWN:
+            out.update({f"{name}{g}[{i}]": enc.v(s, g, name, i) for i in range(upto)})
     return out
 
 
-def counterexample(enc: Encoding, policy: str, prop: str, fn: Callable[[Encoding, str, State], Step],
-                   extra: Callable[[State, Step], list[z3.BoolRef]]) -> tuple[str, str, dict[str, Any]]:
-    """Find Inv and Step and extra with not Inv' (the property is not preserved)."""
+def _read_state(m: z3.ModelRef, enc: Encoding, s: State, tag: str, upto: int = POSITIONS) -> dict[str, Any]:
+    vals = {k: m.eval(t, model_completion=True) for k, t in _shown_terms(enc, s, upto).items()}
+    out: dict[str, Any] = {f"{tag}.conf": vals["conf"].as_long(), f"{tag}.flag": z3.is_true(vals["flag"])}
+    for g in range(len(s.groups)):
+        out[f"{tag}.N{g}"] = vals[f"N{g}"].as_long()
+        out[f"{tag}.cur{g}"] = vals[f"cur{g}"].as_long()
+        for name in SHOWN:
+            out[f"{tag}.{name}{g}"] = [z3.is_true(vals[f"{name}{g}[{i}]"]) for i in range(upto)]
+    return out
+
+
+def counterexamples(enc: Encoding, policy: str, prop: str, fn: Callable[[Encoding, str, State], Step],
+                    extra: Callable[[State, Step], list[z3.BoolRef]], count: int = 1
+                    ) -> tuple[str, str, list[dict[str, Any]]]:
+    """Find Inv and Step and extra with not Inv' (the property is not preserved): up to ``count``
+    distinct models, each next one asked for with the previous ones blocked (they differ in the
+    pre-state or in the post-state's cached positions), each query on a fresh solver (``_check``:
+    fixed seeds, rlimit)."""
     s, st = _step(enc, policy, fn)
     want = [inv_for(prop, enc, s), *st.constraints, *extra(s, st), z3.Not(inv_for(prop, enc, st.post))]
+    shown = [*_shown_terms(enc, s, POSITIONS).values(),
+             *(enc.v(st.post, g, "cached", i) for g in range(enc.G) for i in range(POSITIONS))]
 
     def read(m: z3.ModelRef) -> dict[str, Any]:
         vals = _read_state(m, enc, s, "pre") | _read_state(m, enc, st.post, "post")
@@ -325,10 +345,19 @@ def counterexample(enc: Encoding, policy: str, prop: str, fn: Callable[[Encoding
                 m.eval(v, model_completion=True).as_long()
         return vals
 
-    r, model = _sat(want, read)
-    if r == "sat":
-        return "found", "property not preserved", model
-    return ("not found" if r == "unsat" else "unknown"), str(model.get("reason", "")), {}
+    models: list[dict[str, Any]] = []
+    blocked: list[z3.BoolRef] = []
+    r, sv = _check(want)
+    while r == z3.sat:
+        m = sv.model()
+        models.append(read(m))
+        if len(models) == count:
+            break
+        blocked.append(z3.Not(z3.And([t == m.eval(t, model_completion=True) for t in shown])))
+        r, sv = _check([*want, *blocked])
+    if models:
+        return "found", "property not preserved", models
+    return ("not found" if r == z3.unsat else "unknown"), ("" if r == z3.unsat else sv.reason_unknown()), []
 
 
 def witness(enc: Encoding, policy: str, fn: Callable[[Encoding, str, State], Step],
@@ -718,21 +747,50 @@ WITNESSES: tuple[tuple[str, str, tuple[str, ...], Condition, str], ...] = (
 # -- the catalogue -----------------------------------------------------------------------------
 
 
-def _cex_t2(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
-    return counterexample(enc, "baseline", "c1", evict, lambda s, st: [])
+def _cex_t2(enc: Encoding, count: int = 1) -> tuple[str, str, list[dict[str, Any]]]:
+    """An eviction below the baseline's cursor (the FIXME)."""
+    return counterexamples(enc, "baseline", "c1", evict,
+                           lambda s, st: realizable(enc, "baseline", s, st), count)
 
 
-def _cex_h1(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
-    return counterexample(enc, "signal-rescan", "flag", plan_scan,
-                          lambda s, st: [z3.Not(st.inputs["scheduled"])])
+def _cex_h1(enc: Encoding, count: int = 1) -> tuple[str, str, list[dict[str, Any]]]:
+    """The flag is consumed by a planning step that does not schedule the request."""
+    return counterexamples(enc, "signal-rescan", "flag", plan_scan,
+                           lambda s, st: [z3.Not(st.inputs["scheduled"]),
+                                          *realizable(enc, "signal-rescan", s, st)], count)
 
 
-def _cex_h3(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
+def _cex_h3(enc: Encoding, count: int = 1) -> tuple[str, str, list[dict[str, Any]]]:
     """Scheduled, flag set, and every CPU block pinned (in-flight stores): Phase 1a re-stores
     nothing and the flag is gone. (With a non-zero free count short of the holes, the
     restore's own allocation evicts again and re-sets the flag: that is H6, not H3.)"""
-    return counterexample(enc, "signal-rescan", "flag", plan_scan,
-                          lambda s, st: [st.inputs["scheduled"], s.flag, st.inputs["free"] == 0])
+    return counterexamples(enc, "signal-rescan", "flag", plan_scan,
+                           lambda s, st: [st.inputs["scheduled"], s.flag, st.inputs["free"] == 0,
+                                          *realizable(enc, "signal-rescan", s, st)], count)
+
+
+class Completeness(NamedTuple):
+    """A completeness counterexample: ``find(enc, count)`` -> (result, detail, up to ``count``
+    distinct models), the policy it is about, and what it shows."""
+
+    find: Callable[..., tuple[str, str, list[dict[str, Any]]]]
+    policy: str
+    statement: str
+
+
+COUNTEREXAMPLES: dict[str, Completeness] = {
+    "completeness-c1:T2": Completeness(_cex_t2, "baseline", "an eviction below the cursor leaves a hole C1 reports"),
+    "completeness-flag:H1": Completeness(_cex_h1, "signal-rescan",
+                                         "the flag is consumed while the request is not scheduled"),
+    "completeness-flag:H3": Completeness(_cex_h3, "signal-rescan", "Phase 1a runs out of CPU space; the flag is gone"),
+}
+"""The completeness counterexamples (the FIXME and the #47235 hazards) by obligation name; the
+catalogue adds ``[G=2]`` (two groups) and ``bounded:...[N<=8]`` (the unrolled encoding)."""
+
+
+def _first(found: tuple[str, str, list[dict[str, Any]]]) -> tuple[str, str, dict[str, Any]]:
+    r, d, models = found
+    return r, d, (models[0] if models else {})
 
 
 def _out_of_space(s: State, st: Step) -> list[z3.BoolRef]:
@@ -825,15 +883,10 @@ def _default_catalogue(quick: bool) -> list[Obligation]:
                           "re-stores consume distinct pending lost records of uncovered keys"))
     obs.append(Obligation("no-lookback", "baseline", "proof", lambda: no_lookback(Quant(1), "baseline"),
                           "the baseline scan never selects below the cursor"))
-    # expected counterexamples (the FIXME and the #47235 hazards)
-    obs.append(Obligation("completeness-c1:T2", "baseline", "counterexample", lambda: _cex_t2(Quant(1)),
-                          "an eviction below the cursor leaves a hole C1 reports"))
-    obs.append(Obligation("completeness-flag:H1", "signal-rescan", "counterexample",
-                          lambda: _cex_h1(Quant(1)),
-                          "the flag is consumed while the request is not scheduled"))
-    obs.append(Obligation("completeness-flag:H3", "signal-rescan", "counterexample",
-                          lambda: _cex_h3(Quant(1)),
-                          "Phase 1a runs out of CPU space; the flag is gone"))
+    for G in groups:  # expected counterexamples (the FIXME and the #47235 hazards)
+        for name, cx in COUNTEREXAMPLES.items():
+            obs.append(Obligation(name + ("" if G == 1 else f"[G={G}]"), cx.policy, "counterexample",
+                                  lambda cx=cx, G=G: _first(cx.find(Quant(G))), cx.statement))
     # bounded cross-checks: a second, quantifier-free encoding with N <= BOUND
     obs += _bounded_per_policy(BOUND, None if quick else BOUND_G2)
     for G in groups:
@@ -848,12 +901,9 @@ def _default_catalogue(quick: bool) -> list[Obligation]:
                           lambda: no_lookback(Unrolled(1, BOUND), "baseline")))
     obs.append(Obligation(f"bounded:no-amplification[N<={BOUND}]", "repair", "bounded",
                           lambda: no_amplification(Unrolled(1, BOUND))))
-    obs.append(Obligation(f"bounded:completeness-c1:T2[N<={BOUND}]", "baseline", "counterexample",
-                          lambda: _cex_t2(Unrolled(1, BOUND))))
-    obs.append(Obligation(f"bounded:completeness-flag:H1[N<={BOUND}]", "signal-rescan", "counterexample",
-                          lambda: _cex_h1(Unrolled(1, BOUND))))
-    obs.append(Obligation(f"bounded:completeness-flag:H3[N<={BOUND}]", "signal-rescan", "counterexample",
-                          lambda: _cex_h3(Unrolled(1, BOUND))))
+    for name, cx in COUNTEREXAMPLES.items():
+        obs.append(Obligation(f"bounded:{name}[N<={BOUND}]", cx.policy, "counterexample",
+                              lambda cx=cx: _first(cx.find(Unrolled(1, BOUND)))))
     # vacuity: broken invariants are refuted; the behaviours the proofs cover are possible
     obs.append(Obligation("vacuity:c2-without-records", "repair", "vacuity",
                           lambda: refuted(Quant(1), "repair", lambda e, s: c1(e, s)),

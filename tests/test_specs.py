@@ -38,7 +38,8 @@ def test_catalogue_covers_the_brief() -> None:
     assert ("no-amplification", "repair", "proof") in names
     assert {(n, p) for n, p, k in names if k == "counterexample" and not n.startswith("bounded:")} == {
         ("completeness-c1:T2", "baseline"), ("completeness-flag:H1", "signal-rescan"),
-        ("completeness-flag:H3", "signal-rescan"),
+        ("completeness-flag:H3", "signal-rescan"), ("completeness-c1:T2[G=2]", "baseline"),
+        ("completeness-flag:H1[G=2]", "signal-rescan"), ("completeness-flag:H3[G=2]", "signal-rescan"),
         *((f"convergence:drop-{a}", "repair") for a in ("E1", "E2", "E3"))}
     assert any(k == "bounded" for _, _, k in names) and any(k == "vacuity" for _, _, k in names)
 

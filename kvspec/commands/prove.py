@@ -1,8 +1,11 @@
 """``kvspec prove``: discharge the Z3 proof obligations and show a table.
 
 Exit 0 only when every proof and bounded check holds, every expected counterexample is
-found and every vacuity check passes; 1 otherwise; 2 for bad usage (``-k`` empty or matching
-no obligation, with or without ``--list``). ``--list --json`` prints the list as JSON.
+found (and each completeness counterexample becomes an engine trace that reaches its
+pre-state and reproduces its holes, ``kvspec.drivers.synthesis``) and every vacuity check
+passes; 1 otherwise; 2 for bad usage (``-k`` empty or matching no obligation, with or without
+``--list``; a ``--traces`` directory that cannot be made). ``--list --json`` prints the list
+as JSON.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from kvspec.contract.errors import ConfigError, echo
 
@@ -28,11 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-k", dest="select", default=None, metavar="TEXT",
                         help="only obligations whose name contains TEXT or whose policy is TEXT "
                              "(no match: exit 2)")
+    parser.add_argument("--traces", default=None, metavar="DIR",
+                        help="write the engine trace synthesised from each completeness counterexample to DIR "
+                             "(one .jsonl per obligation and policy, as kvspec replay reads it)")
     parser.add_argument("--list", action="store_true",
                         help="list the obligations (as a JSON list with --json) and exit")
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvspec.drivers.synthesis import realise
     from kvspec.specs.obligations import PASS, Obligation, Result, catalogue, run_all
 
     obs = catalogue(quick=args.quick, profile=args.profile)
@@ -52,6 +60,13 @@ def run(args: argparse.Namespace) -> int:
         for ob in obs:
             print(f"{ob.name}\t{ob.policy}\t{ob.kind}\t{ob.statement}")
         return 0
+    traces = None if args.traces is None else Path(args.traces)
+    if traces is not None:
+        try:
+            traces.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--traces {echo(args.traces)}: cannot make the directory: "
+                              f"{exc.strerror or exc}") from None
     total = len(obs)
     done = 0
     t0 = time.perf_counter()
@@ -62,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{done + 1}/{total}] {ob.name} ({ob.policy}) ...", end="", file=sys.stderr, flush=True)
             return
         done += 1
+        realise(res, traces)
         mark = "ok" if res.ok else "FAILED"
         print(f" {res.result} ({res.seconds:.2f}s) {mark}", file=sys.stderr, flush=True)
 
@@ -76,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         for r in results:
             row = f"{r.name:<{w}}  {r.policy:<13}  {r.kind:<14}  {r.result:<9}  {PASS[r.kind]:<9}"
             row += f"  {r.seconds:7.2f}"
-            print(row + ("" if r.ok else f"   <- {r.detail}"))
+            note = f"   <- {r.detail}" if not r.ok else f"   {r.detail}" if r.kind == "counterexample" else ""
+            print(row + note)
         print(f"{len(results) - len(failed)}/{len(results)} as expected in {elapsed:.1f}s")
     print(f"kvspec prove: {len(results) - len(failed)}/{len(results)} as expected, {elapsed:.1f}s",
           file=sys.stderr)
