@@ -3,10 +3,13 @@ and where it disappears, the evidence that attributes each finding to a public i
 
     .venv/bin/python scripts/vllm-history-matrix.py [--releases 0.19.1,...] [--out FILE]
 
-Each trace under tests/traces/vllm_history/<version>/ is run, with the oracle recorded in it, on
-target ``vllm@R`` (``raw:vllm@R`` for a raw finding) for every release R, in R's own venv (one
-process per release: ``--worker R``). A cell is the finding's invariant or exception type when the
-trace still ends in a finding there, ``-`` when every operation ran clean. A row's attribution is
+Each trace under tests/traces/vllm_history/<version>/ is run on target ``vllm@R`` (``raw:vllm@R``
+for a raw finding) for every release R, in R's own venv (one process per release: ``--worker R``),
+judged by its own finding's invariant only (a crash needs no oracle), so a rule another release
+breaks on every step does not hide it. A cell is the invariant or exception type the trace ends in
+there, ``n/a`` when the trace does not apply (the release cannot build its configuration, or its
+state left what the trace's later operations need, e.g. a report of a store event it never issued), ``-`` when every
+operation ran clean. A row's attribution is
 the public issue (``kvspec.commands.history.KNOWN``) among those matching the finding in its own
 release whose fix release is the first later release where the row runs clean (or that is never
 fixed, when it never does); with a single candidate that does not fit so, that candidate and the
@@ -36,8 +39,11 @@ def _worker(version: str, paths: list[str]) -> None:
     for path in paths:
         tr = trace_io.read(path)
         target = ("raw:" if tr.target.startswith("raw:") else "") + f"vllm@{version}"
-        out = run_ops(tr.config, tr.ops, get_factory(target), tr.oracle)
-        what = (out.violation.id if out.violation else out.exception or out.kind) if out.failed else "-"
+        f = tr.finding or {}
+        oracle = (f["invariant"],) if f.get("invariant") else ()  # this rule only; a crash needs no oracle
+        out = run_ops(tr.config, tr.ops, get_factory(target), oracle)
+        setup = out.op_name == "(setup)"  # the release cannot build this configuration
+        what = "n/a" if setup else (out.violation.id if out.violation else out.exception or "n/a") if out.failed else "-"
         print(json.dumps({"trace": path, "release": version, "outcome": what}), flush=True)
 
 
