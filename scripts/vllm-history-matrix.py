@@ -42,8 +42,12 @@ def _worker(version: str, paths: list[str]) -> None:
         f = tr.finding or {}
         oracle = (f["invariant"],) if f.get("invariant") else ()  # this rule only; a crash needs no oracle
         out = run_ops(tr.config, tr.ops, get_factory(target), oracle)
-        setup = out.op_name == "(setup)"  # the release cannot build this configuration
-        what = "n/a" if setup else (out.violation.id if out.violation else out.exception or "n/a") if out.failed else "-"
+        if not out.failed:
+            what = "-"
+        elif out.op_name == "(setup)":  # the release cannot build this configuration
+            what = "n/a"
+        else:
+            what = out.violation.id if out.violation else out.exception or "n/a"
         print(json.dumps({"trace": path, "release": version, "outcome": what}), flush=True)
 
 
