@@ -20,8 +20,10 @@ the row's kind is *divergence* (the model's rule is stricter than vLLM, not a vL
 ``--raw`` runs the whole search on the raw target.
 
 The table: release x finding, with the seconds into the release's search at which it was found,
-the shrunk trace's length and the public vLLM issue it matches where one was verified against the
-release's code (``KNOWN``). Progress goes to stderr. Exit codes: 0 nothing found, 1 findings,
+the shrunk trace's length and the public vLLM issues whose cause, verified in the releases' code,
+is in that release and shows as that invariant or exception (``KNOWN``; several are joined by
+"or", and ``scripts/vllm-history-matrix.py`` tells them apart by where each kept trace stops
+failing). Progress goes to stderr. Exit codes: 0 nothing found, 1 findings,
 2 bad arguments or a missing venv, 3 internal error.
 """
 
