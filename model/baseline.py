@@ -59,8 +59,10 @@ class BaselinePolicy(ModelPolicy):
     def claims(cls, config: OffloadConfig) -> tuple[str, ...]:
         """Invariant ids this policy guarantees under ``config`` (vLLM 0.33.0's own guarantees).
         Stale sliding-window ids break I8 and I10 (§10.6, H4), so they are claimed only for
-        full-attention-only configurations; completeness (C1) is not claimed: the FIXME."""
-        ids = ["I1", "I2", "I3", "I4", "I5", "I6", "I7", "I9", "I11", "I12", "I13", "I14", "I15"]
+        full-attention-only configurations; completeness (C1) is not claimed: the FIXME. The finish
+        flush is claimed as C8 (what was on CPU nowhere is stored), not C7: the flush's own
+        allocations may evict an entry of the finishing request that it found cached."""
+        ids = ["I1", "I2", "I3", "I4", "I5", "I6", "I7", "I9", "I11", "I12", "I13", "I14", "I15", "C8"]
         if all(g.kind == "full" for g in config.groups):
             ids += ["I8", "I10"]
         return tuple(ids)

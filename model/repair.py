@@ -137,9 +137,9 @@ class RepairPolicy(BaselinePolicy):
 
     @classmethod
     def claims(cls, config: OffloadConfig) -> tuple[str, ...]:
-        """Every I-invariant for every configuration, and C2-C7 (C1 only modulo pending repair)."""
+        """Every I-invariant for every configuration, and C2-C8 (C1 only modulo pending repair)."""
         return ("I1", "I2", "I3", "I4", "I5", "I6", "I7", "I8", "I9", "I10", "I11", "I12", "I13", "I14",
-                "I15", "C2", "C3", "C4", "C5", "C6", "C7")
+                "I15", "C2", "C3", "C4", "C5", "C6", "C7", "C8")
 
     def __init__(self, sched: OffloadScheduler) -> None:
         super().__init__(sched)

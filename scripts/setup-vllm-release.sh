@@ -64,6 +64,7 @@ try:  # a half-built venv (an extra missing) is rebuilt
 except ImportError:
     sys.exit(1)
 try:
+    import z3  # noqa: F401  (kvspec replay loads it; absent from venvs built before it was needed)
     import kvspec
 except ImportError:
     sys.exit(2)
@@ -79,7 +80,8 @@ if [ -x "$venv/bin/python" ]; then
     exit 0
   fi
   if [ "$rc" = 2 ]; then
-    echo "vllm venv: reusing $venv; installing kvspec from $here"
+    echo "vllm venv: reusing $venv; installing kvspec from $here (and z3-solver)"
+    pip_install z3-solver
     pip_install --no-deps --no-build-isolation -e "$here"
     venv_state
     exit 0
@@ -124,7 +126,7 @@ mkdir -p "$(dirname "$venv")"
 pip_install "torch==2.13.0+cpu" || pip_install --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"
 pip_install --no-deps "vllm==$version"
 pip_install --no-deps -r "$reqs"
-pip_install hypothesis pytest "setuptools>=68"
+pip_install hypothesis z3-solver pytest "setuptools>=68"  # z3: kvspec replay checks refinement (R1)
 pip_install --no-deps -e "$here"
 "$venv/bin/python" -c "
 from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler

@@ -349,14 +349,23 @@ def m_c7(s: Snap) -> Any:
     if not fin:
         return None
     s["engine"]["last_op"] = "finish"
-    s["engine"]["last_finish"] = {"rid": fin[0], "keys": ["0123456789abcdef:0"], "cpu_free_after": 1}
+    s["engine"]["last_finish"] = {"rid": fin[0], "keys": ["0123456789abcdef:0"], "fresh": [], "cpu_free_after": 1}
     return (), (fin[0],)
+
+
+def m_c8(s: Snap) -> Any:
+    """A finish whose flush left unstored a key that was on CPU nowhere before: C8 (and C7)."""
+    if m_c7(s) is None:
+        return None
+    s["engine"]["last_finish"]["fresh"] = ["0123456789abcdef:0"]
+    return (), (s["engine"]["last_finish"]["rid"],)
 
 
 MUTATORS: dict[str, Mutator] = {
     "I1": m_i1, "I2": m_i2, "I3": m_i3, "I4": m_i4, "I5": m_i5, "I6": m_i6, "I7": m_i7, "I8": m_i8,
     "I9": m_i9, "I10": m_i10, "I11": m_i11, "I12": m_i12, "I13": m_i13, "I14": m_i14, "I15": m_i15,
     "C1": m_c1, "C2": m_c2, "C3": m_c3, "C4": m_c4, "C5": m_c5, "C6": m_c6, "C7": m_c7,
+    "C8": m_c8,
 }
 
 

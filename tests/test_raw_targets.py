@@ -204,3 +204,20 @@ def test_history_raw_reaches_the_worker(monkeypatch: pytest.MonkeyPatch) -> None
     args = argparse.Namespace(budget=1.0, seed=0, out="x", raw=True)
     assert history._run_release("0.23.0", args) == []
     assert commands[0][-1] == "--raw"
+
+
+@pytest.mark.parametrize(("version", "kind", "what", "issue"), [
+    ("0.19.1", "violation", "I8", "#41289 or #57816"),  # both causes are in 0.19.1's code
+    ("0.23.0", "violation", "I8", "#57816"),  # the in-flight set (#41289's fix) is there
+    ("0.31.0", "violation", "I10", "#57816"),
+    ("0.33.0", "violation", "I10", "no public issue"),  # the resume fix is there
+    ("0.23.0", "crash", "AssertionError", "#42571"),
+    ("0.29.0", "crash", "AssertionError", "no public issue"),  # free_blocks block by block
+    ("0.29.0", "violation", "C8", "#41704"),
+    ("0.31.0", "violation", "C8", "no public issue"),  # the finish flush is there
+    ("0.23.0", "violation", "I15", "no public issue"),  # no reset() before 0.24: nothing to match
+    ("0.33.0", "violation", "C1", "FIXME (0.33.0)"),
+])
+def test_history_attributes_a_finding_to_the_issues_whose_cause_the_release_has(
+        version: str, kind: str, what: str, issue: str) -> None:
+    assert history.issue_for(version, kind, what) == issue

@@ -20,8 +20,10 @@ the row's kind is *divergence* (the model's rule is stricter than vLLM, not a vL
 ``--raw`` runs the whole search on the raw target.
 
 The table: release x finding, with the seconds into the release's search at which it was found,
-the shrunk trace's length and the public vLLM issue it matches where one was verified against the
-release's code (``KNOWN``). Progress goes to stderr. Exit codes: 0 nothing found, 1 findings,
+the shrunk trace's length and the public vLLM issues whose cause, verified in the releases' code,
+is in that release and shows as that invariant or exception (``KNOWN``; several are joined by
+"or", and ``scripts/vllm-history-matrix.py`` tells them apart by where each kept trace stops
+failing). Progress goes to stderr. Exit codes: 0 nothing found, 1 findings,
 2 bad arguments or a missing venv, 3 internal error.
 """
 
@@ -62,7 +64,9 @@ class Known:
     why: str
 
 
-#: Findings matched to public issues, each checked against the releases' sources.
+#: Findings matched to public issues, each checked against the releases' sources (``first``: the
+#: first release with the cause, ``fixed``: the first checked release without it; releases between
+#: the checked ones, 0.20-0.22, 0.24-0.28, 0.30 and 0.32, were not read).
 KNOWN = (
     Known("#53498", "violation", "I3", "0.19.0", "0.30.0",
           "store destinations stamped with their hash when the store is planned (manager: "
@@ -70,16 +74,42 @@ KNOWN = (
           "the store completes: a CPU block is hashed but not in the map for as long as its store flies"),
     Known("FIXME (0.33.0)", "violation", "C1", "0.19.0", None,
           "the lazy cursor survives an eviction of the block it points at (stale cursor)"),
+    Known("#41289", "violation", "I8", "0.19.0", "0.23.0",
+          "eager stores dedup GPU blocks within one step only (a local set), so a block whose store "
+          "from an earlier step is still in flight (its key not yet in the CPU map) is stored again; "
+          "0.23.0 keeps the in-flight set across steps (_in_flight_store_gpu_blocks)"),
+    Known("#57816", "violation", "I8", "0.19.0", "0.33.0",
+          "a preempted request resumed as a new request (model runner v2: NewRequestData) is not "
+          "marked resumed by yield_req_data, so its full new table is appended to the freed ids and "
+          "its cursors kept: the scan reads stale ids, now other positions' or requests' blocks"),
+    Known("#57816", "violation", "I10", "0.19.0", "0.33.0", "as the I8 row of #57816"),
+    Known("#42571", "violation", "I1", "0.19.0", "0.29.0",
+          "a sliding-window request lists a reused GPU block at two positions; its store touches and "
+          "frees it twice, and free_blocks (decrement all, then keep those at ref 0) appends it twice: "
+          "the free count outgrows the queue; 0.29.0 decrements and tests block by block"),
+    Known("#42571", "crash", "AssertionError", "0.19.0", "0.29.0",
+          "as the I1 row of #42571: the inflated free count later makes popleft_n or get_new_blocks "
+          "assert"),
+    Known("#42571", "crash", "VllmBrokeContract", "0.19.0", "0.29.0",
+          "as the I1 row of #42571: popleft_n walks into the free list's tail sentinel (block id -1)"),
+    Known("#41704", "violation", "C8", "0.19.0", "0.30.0",
+          "no finish flush: blocks confirmed after the request's last scan are never stored once it "
+          "finishes; PR #53532 (with #53498's fix) adds _queue_finished_eager_store"),
+    Known("no public issue (read in code)", "violation", "I15", "0.24.0", "0.33.0",
+          "reset() leaves the lookup pins (_pending_cpu_hits) in place, so the CPU pool's "
+          "reset_prefix_cache() finds blocks in use and refuses; 0.33.0 releases the pins first"),
 )
 
 
 def issue_for(version: str, kind: str, what: str) -> str:
+    """The public issues whose cause is in ``version``'s code and shows as this kind and invariant
+    (or exception type), joined with " or " (the kept trace of each row names the one it is);
+    "no public issue" when none. O(len(KNOWN))."""
     rel = compat.Release(version)
-    for k in KNOWN:
-        fixed = k.fixed is not None and rel.at_least(k.fixed)
-        if k.kind == kind and k.what == what and rel.at_least(k.first) and not fixed:
-            return k.issue
-    return "no public issue"
+    found = [k.issue for k in KNOWN
+             if k.kind == kind and k.what == what and rel.at_least(k.first)
+             and not (k.fixed is not None and rel.at_least(k.fixed))]
+    return " or ".join(dict.fromkeys(found)) or "no public issue"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -80,7 +80,7 @@ from kvspec.model.block_pool import NULL_BLOCK
 from kvspec.model.hashing import ROOT_HASH, BlockHash, block_hashes, chain_hash
 from kvspec.model.hit_search import find_longest_cache_hit
 from kvspec.model.rules import window_floor
-from kvspec.oracle.catalogue import observe_plan
+from kvspec.oracle.catalogue import covered_keys, observe_plan
 
 WAITING, RUNNING, WAITING_FOR_REMOTE, LOADED, PREEMPTED, FINISHED = (
     "waiting", "running", "waiting_for_remote_kvs", "loaded", "preempted", "finished",
@@ -580,7 +580,8 @@ class Engine:
         """vLLM ``_free_request``: out-of-window blocks freed (processed tokens), the connector's
         ``request_finished`` with the table clipped to the computed tokens, then the blocks freed
         (after the load, for a request still waiting on one; after the batch in flight, for one a
-        batch still writes). ``observe``: record the finish flush for the oracle (C3, C5-C7)."""
+        batch still writes). ``observe``: record the finish flush for the oracle (C3, C5-C8): the keys it
+        had to cover, and of those the ones neither cached on CPU nor being stored before it (``fresh``)."""
         rid = r.request_id
         self._remove_skipped_blocks(r)
         clipped = tuple(list(t[: -(-r.num_computed_tokens // self.B)]) for t in r.table)
@@ -593,7 +594,9 @@ class Engine:
             queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
             flushed = Counter(g for t in post["scheduler"]["pending_finished_stores"] for g in t["gpu"])
             self.last_plan = observe_plan(pre, post, list((flushed - queued).elements()), rid)
-            self.last_finish = {"rid": rid, "keys": expected, "cpu_free_after": len(post["cpu_pool"]["free_queue"])}
+            before = covered_keys(pre)
+            self.last_finish = {"rid": rid, "keys": expected, "fresh": [k for k in expected if k not in before],
+                                "cpu_free_after": len(post["cpu_pool"]["free_queue"])}
         for queue in (self.running, self.holding):
             if rid in queue:
                 queue.remove(rid)

@@ -34,7 +34,7 @@ _STORES_ALL = (*_STORES_LIVE, ("scheduler", "abandoned_store_events"))
 _LOADS = (("scheduler", "reqs_to_load"), ("scheduler", "abandoned_reqs_to_load"))
 _REQS = (("engine", "requests"),)
 _CONFIG = (("engine", "config"),)
-# owned_below_cursor and covered_keys, which C1, C2, C4 and C7 read
+# owned_below_cursor and covered_keys, which C1, C2, C4, C7 and C8 read
 _OWNED = (("gpu_pool", "block_hash"), ("scheduler", "reqs_to_store"), *_REQS, *_CONFIG)
 _COVERED = (("cpu_pool", "cached"), ("gpu_pool", "block_hash"), *_STORES_LIVE)
 
@@ -70,6 +70,7 @@ READS: dict[str, tuple[Part, ...]] = {
     "C5": (("engine", "last_plan"),),
     "C6": (("engine", "last_plan"),),
     "C7": (("engine", "last_finish"), *_COVERED),
+    "C8": (("engine", "last_finish"), *_COVERED),
 }
 """The parts of a snapshot each invariant reads (its incremental form). Keep in step with
 ``kvspec.oracle.catalogue``: an invariant that reads a part not listed here would be skipped
