@@ -110,22 +110,32 @@ def bind_operation(driver: object, op: object, ops: tuple[str, ...]) -> tuple[st
         raise InvalidOperationError(f"unknown operation {echo(name)}; known: {', '.join(ops)}")
     handler = getattr(driver, f"op_{name}")
     args = {k: v for k, v in op.items() if k != "op"}
-    try:
-        _handler_signature(type(driver), name).bind(None, **args)
-    except TypeError as exc:
-        raise InvalidOperationError(f"bad arguments for {name}: {exc}") from None
+    signature, names, required = _handler_signature(type(driver), name)
+    if names is None or not (args.keys() <= names and required <= args.keys()):
+        try:
+            signature.bind(None, **args)
+        except TypeError as exc:
+            raise InvalidOperationError(f"bad arguments for {name}: {exc}") from None
     return name, handler, args
 
 
-_SIGNATURES: dict[tuple[type, str], inspect.Signature] = {}
+_SIGNATURES: dict[tuple[type, str], tuple[inspect.Signature, frozenset[str] | None, frozenset[str]]] = {}
 
 
-def _handler_signature(driver_type: type, name: str) -> inspect.Signature:
+def _handler_signature(driver_type: type, name: str) -> tuple[inspect.Signature, frozenset[str] | None, frozenset[str]]:
     """The signature of ``driver_type.op_<name>`` (``self`` included), computed once per class and
-    operation: reading it costs more than most operations do."""
+    operation (reading it costs more than most operations do), with the names of its keyword
+    arguments and of the required ones: arguments whose names are among the first and include the
+    second bind without ``Signature.bind`` (which still runs for anything else, and words the
+    error). Names are None when the handler takes a variadic or positional-only argument."""
     key = (driver_type, name)
     if key not in _SIGNATURES:
-        _SIGNATURES[key] = inspect.signature(getattr(driver_type, f"op_{name}"))
+        signature = inspect.signature(getattr(driver_type, f"op_{name}"))
+        params = list(signature.parameters.values())[1:]
+        plain = all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD or p.kind is inspect.Parameter.KEYWORD_ONLY
+                    for p in params)
+        _SIGNATURES[key] = (signature, frozenset(p.name for p in params) if plain else None,
+                            frozenset(p.name for p in params if p.default is inspect.Parameter.empty))
     return _SIGNATURES[key]
 
 
