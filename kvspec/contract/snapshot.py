@@ -43,6 +43,12 @@ def _key_order(key: str) -> tuple[str, int]:
     return h, int(g)
 
 
+def _in_order(mapping: Mapping[Any, Any]) -> Iterable[tuple[Any, Any]]:
+    """``mapping``'s items sorted by key (most of a snapshot's maps hold 0 or 1 item, which need
+    no sort)."""
+    return sorted(mapping.items()) if len(mapping) > 1 else mapping.items()
+
+
 def transfer_json(t: Transfer) -> dict[str, list[int]]:
     return {"gpu": list(t[0]), "cpu": list(t[1])}
 
@@ -82,23 +88,23 @@ def scheduler_section(
         "lazy_cursor": lazy_cursor,
         "pending_cpu_hits": {
             r: {"blocks": [list(g) for g in blocks], "hit_len": hit_len, "num_computed_tokens": local}
-            for r, (blocks, hit_len, local) in sorted(pending_cpu_hits.items())
+            for r, (blocks, hit_len, local) in _in_order(pending_cpu_hits)
         },
-        "reqs_to_load": {r: _load(*v) for r, v in sorted(reqs_to_load.items())},
-        "abandoned_reqs_to_load": {r: _load(*v) for r, v in sorted(abandoned_reqs_to_load.items())},
-        "load_event_to_reqs": {str(e): list(rs) for e, rs in sorted(load_event_to_reqs.items())},
-        "store_events": {str(e): transfer_json(t) for e, t in sorted(store_events.items())},
-        "abandoned_store_events": {str(e): transfer_json(t) for e, t in sorted(abandoned_store_events.items())},
+        "reqs_to_load": {r: _load(*v) for r, v in _in_order(reqs_to_load)},
+        "abandoned_reqs_to_load": {r: _load(*v) for r, v in _in_order(abandoned_reqs_to_load)},
+        "load_event_to_reqs": {str(e): list(rs) for e, rs in _in_order(load_event_to_reqs)},
+        "store_events": {str(e): transfer_json(t) for e, t in _in_order(store_events)},
+        "abandoned_store_events": {str(e): transfer_json(t) for e, t in _in_order(abandoned_store_events)},
         "pending_finished_stores": [transfer_json(t) for t in pending_finished_stores],
         "reqs_to_store": {
             r: {"block_ids": [list(g) for g in ids], "num_stored_blocks": list(cursors),
                 "store_events": sorted(events), "finished": finished}
-            for r, (ids, cursors, events, finished) in sorted(reqs_to_store.items())
+            for r, (ids, cursors, events, finished) in _in_order(reqs_to_store)
         },
-        "store_event_to_reqs": {str(e): list(rs) for e, rs in sorted(store_event_to_reqs.items())},
+        "store_event_to_reqs": {str(e): list(rs) for e, rs in _in_order(store_event_to_reqs)},
         "in_flight": sorted(in_flight),
         "load_event_counter": load_event_counter,
         "store_event_counter": store_event_counter,
-        "store_event_pending_counts": {str(e): c for e, c in sorted(store_event_pending_counts.items())},
+        "store_event_pending_counts": {str(e): c for e, c in _in_order(store_event_pending_counts)},
         "policy_state": policy_state,
     }

@@ -524,8 +524,8 @@ class Engine:
         self._remove_skipped_blocks(r)
         clipped = tuple(list(t[: -(-r.num_computed_tokens // self.B)]) for t in r.table)
         if observe:
-            expected = self._flush_expectation(r, clipped)
             pre = self.snapshot()
+            expected = self._flush_expectation(r, clipped, pre["scheduler"]["reqs_to_store"].get(rid))
         self.target.request_finished_all_groups(r, clipped)
         if observe:
             post = self.target.snapshot()
@@ -550,11 +550,12 @@ class Engine:
         gpu_ok = self.gpu.reset_prefix_cache()
         return gpu_ok, self.target.reset()
 
-    def _flush_expectation(self, r: EngineRequest, table: tuple[list[int], ...]) -> list[str]:
+    def _flush_expectation(self, r: EngineRequest, table: tuple[list[int], ...], st: dict[str, Any] | None
+                           ) -> list[str]:
         """Keys the finish flush must cover: owned, hashed, confirmed positions at or after the cursor
         (a sliding-window position that left the window is not owned, even while a batch in flight
-        keeps its block in the table)."""
-        st = self.target.snapshot()["scheduler"]["reqs_to_store"].get(r.request_id)
+        keeps its block in the table). ``st``: the request's store state in the target's snapshot
+        before the finish."""
         if st is None or st["finished"]:
             return []
         confirmed = (r.num_computed_tokens - r.num_output_placeholders) // self.B
