@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -273,11 +273,22 @@ def prompt_tokens(family: int, length: int) -> list[int]:
     return [family * 1_000_000 + i for i in range(length)]
 
 
-class Engine:
-    """Drives one ``OffloadTarget``; ``apply(op)`` runs one trace operation."""
+OBSERVATIONS = ("last_plan", "last_finish", "converging_step")
+"""The facts the engine measures for the oracle from outside the target, each shown in its
+snapshot's engine section: what a planning step or finish flush did (``last_plan``, C3, C5, C6:
+snapshots before and after the planning), what a finish had to flush (``last_finish``, C7) and
+whether a step began quiescent (``converging_step``, C4). Measuring them costs two or three
+target snapshots per step or finish; an engine told to observe fewer shows the others as None
+(False) and judges nothing differently for an oracle that does not read them."""
 
-    def __init__(self, target: OffloadTarget) -> None:
+
+class Engine:
+    """Drives one ``OffloadTarget``; ``apply(op)`` runs one trace operation. ``observe``: which of
+    ``OBSERVATIONS`` to measure (all by default)."""
+
+    def __init__(self, target: OffloadTarget, observe: Iterable[str] = OBSERVATIONS) -> None:
         self.target = target
+        self.observe = frozenset(observe)
         self.config = target.config
         self.gpu = target.gpu_pool
         self.B = self.config.block_size
@@ -372,7 +383,7 @@ class Engine:
                 self._process(self.in_flight.pop())
             return ConnectorMetadata()
 
-        self.converging_step = not admit and self._quiescent()
+        self.converging_step = not admit and "converging_step" in self.observe and self._quiescent()
         out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData())
         scheduled: dict[str, int] = {}
         resumed_new: list[NewRequestData] = []  # mrv2: resumed requests go after the new ones
@@ -387,11 +398,12 @@ class Engine:
         out.num_scheduled_tokens = dict(scheduled)
         out.preempted_req_ids = set(self.preempted_since_step)
         out.finished_req_ids = set(self.finished_since_step)
-        pre = self.snapshot()
+        pre = self.snapshot() if "last_plan" in self.observe else None
         meta = self.target.build_connector_meta(out)
-        queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
-        self.last_plan = observe_plan(pre, self.target.snapshot(),
-                                      list((Counter(meta.store_gpu_blocks) - queued).elements()))
+        if pre is not None:
+            queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
+            self.last_plan = observe_plan(pre, self.target.snapshot(),
+                                          list((Counter(meta.store_gpu_blocks) - queued).elements()))
         self._after_build(meta)
         batch = self._update_after_schedule(scheduled)
         self._forward(scheduled, meta)
@@ -523,16 +535,22 @@ class Engine:
         rid = r.request_id
         self._remove_skipped_blocks(r)
         clipped = tuple(list(t[: -(-r.num_computed_tokens // self.B)]) for t in r.table)
+        plan, flush = observe and "last_plan" in self.observe, observe and "last_finish" in self.observe
+        pre = self.snapshot() if plan or flush else None
         if observe:
-            pre = self.snapshot()
-            expected = self._flush_expectation(r, clipped, pre["scheduler"]["reqs_to_store"].get(rid))
+            self.last_finish = None
+        store_state = None if pre is None else pre["scheduler"]["reqs_to_store"].get(rid)
+        expected = self._flush_expectation(r, clipped, store_state) if flush else []
         self.target.request_finished_all_groups(r, clipped)
-        if observe:
+        if pre is not None:
             post = self.target.snapshot()
-            queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
-            flushed = Counter(g for t in post["scheduler"]["pending_finished_stores"] for g in t["gpu"])
-            self.last_plan = observe_plan(pre, post, list((flushed - queued).elements()), rid)
-            self.last_finish = {"rid": rid, "keys": expected, "cpu_free_after": len(post["cpu_pool"]["free_queue"])}
+            if plan:
+                queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
+                flushed = Counter(g for t in post["scheduler"]["pending_finished_stores"] for g in t["gpu"])
+                self.last_plan = observe_plan(pre, post, list((flushed - queued).elements()), rid)
+            if flush:
+                self.last_finish = {"rid": rid, "keys": expected,
+                                    "cpu_free_after": len(post["cpu_pool"]["free_queue"])}
         for queue in (self.running, self.holding):
             if rid in queue:
                 queue.remove(rid)

@@ -78,6 +78,16 @@ after an operation that changed only that part (the agreement test catches it on
 _MISSING = object()
 
 
+def engine_parts_read(ids: Iterable[str]) -> frozenset[str] | None:
+    """The parts of the engine section that the invariants ``ids`` read (``READS``), or None when
+    one of them has no ``READS`` entry (then nothing can be left out). The run loop measures only
+    these of the engine's facts (``kvspec.drivers.engine.OBSERVATIONS``). O(parts)."""
+    ids = tuple(ids)
+    if any(i not in READS for i in ids):
+        return None
+    return frozenset(p[1] for i in ids for p in READS[i] if p[0] == "engine")
+
+
 class IncrementalOracle:
     """The invariants ``ids``, checked after each operation from what it changed; ``reads``
     (default ``READS``) names each one's parts. ``check(snap)`` judges a snapshot that follows
