@@ -282,7 +282,7 @@ class TensorBlockPool:
 
     def snapshot(self) -> dict[str, Any]:
         return pool_section(self.num_blocks, self.ref.tolist(), self.key_texts(self.key.tolist()),
-                            self.free.order().tolist(),
+                            self.free.order_list(),
                             {self.keys.key_text(k): chain for k, chain in self.index.items()})
 
     def memory_bytes(self) -> int:
@@ -333,7 +333,7 @@ class _QueueView:
         return isinstance(b, int) and 0 <= b < self._pool.num_blocks and self._pool.free.contains(b)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._pool.free.order().tolist())
+        return iter(self._pool.free.order_list())
 
     def iter_after(self, cursor: int | None) -> Iterator[int]:
         if cursor is None:

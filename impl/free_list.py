@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+SMALL_WINDOW = 4096  # up to this many ring slots, ``order_list`` filters the window as a list
+
 
 class FreeList:
     """Block ids in eviction order (head = least recently used = next popped)."""
@@ -67,6 +69,13 @@ class FreeList:
     def order(self) -> torch.Tensor:
         window = self.ring[self.h : self.t]
         return window[window >= 0]
+
+    def order_list(self) -> list[int]:
+        """``order()`` as a list: a short ring window is filtered as a list (less than the
+        tensor operations cost), a long one by ``order``. O(window)."""
+        if self.t - self.h <= SMALL_WINDOW:
+            return [b for b in self.ring[self.h : self.t].tolist() if b >= 0]
+        return self.order().tolist()
 
     def after(self, cursor: int | None, k: int) -> torch.Tensor:
         """Up to ``k`` live ids after ``cursor`` (from the head when None; none if unqueued)."""

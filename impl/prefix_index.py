@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+SMALL_KEY_SLOTS = 4096  # up to this many key slots, ``items`` reads the per-key tensors as lists
+
 
 class PrefixIndex:
     def __init__(self, num_blocks: int, block_key: torch.Tensor, device: torch.device) -> None:
@@ -64,16 +66,21 @@ class PrefixIndex:
         return int(self.first[kid])
 
     def items(self) -> list[tuple[int, list[int]]]:
-        """(key id, blocks in insertion order) in the map's key order. O(keys + blocks)."""
-        present = (self.first >= 0).nonzero().flatten()
-        if present.numel() == 0:
-            return []
-        present = present[torch.argsort(self.stamp[present])]
-        firsts = self.first[present].tolist()
-        lasts = self.last[present].tolist()
+        """(key id, blocks in insertion order) in the map's key order. O(key slots + blocks): up to
+        ``SMALL_KEY_SLOTS`` slots the per-key tensors are read as lists (a handful of tensor
+        operations costs more than that), beyond it tensor operations find the present keys."""
+        if self.first.numel() <= SMALL_KEY_SLOTS:
+            first, stamp = self.first.tolist(), self.stamp.tolist()
+            kids = sorted((k for k, f in enumerate(first) if f >= 0), key=stamp.__getitem__)
+            last = self.last.tolist()
+            firsts, lasts = [first[k] for k in kids], [last[k] for k in kids]
+        else:
+            present = (self.first >= 0).nonzero().flatten()
+            present = present[torch.argsort(self.stamp[present])]
+            kids, firsts, lasts = present.tolist(), self.first[present].tolist(), self.last[present].tolist()
         out = []
         nxt = None
-        for kid, f, last in zip(present.tolist(), firsts, lasts, strict=True):
+        for kid, f, last in zip(kids, firsts, lasts, strict=True):
             chain = [f]
             if f != last:
                 if nxt is None:

@@ -236,9 +236,11 @@ class StoreTable:
             return {}
         cursors = self.cursor.tolist()
         lengths = self.length.tolist()
-        return {rid: ([self.table[s, g, : lengths[s][g]].tolist() for g in range(self.G)], cursors[s],
-                      self.events[s], self.finished[s])
-                for rid, s in self.slot_of.items()}
+        slots = list(self.slot_of.values())
+        tables = self.table[slots].tolist()  # one gather of the live slots' rows
+        return {rid: ([row[: lengths[s][g]] for g, row in enumerate(rows)], cursors[s], self.events[s],
+                      self.finished[s])
+                for (rid, s), rows in zip(self.slot_of.items(), tables, strict=True)}
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.cursor, self.length, self.table))

@@ -178,8 +178,9 @@ class BlockPool:
         """Canonical JSON-able picture: ref counts, hashes, queue order, map (keys sorted; the
         order of a key's blocks is kept). O(N log N)."""
         return pool_section(self.num_blocks, self.ref_cnt,
-                            (None if k is None else key_str(k) for k in self.block_hash),
-                            self.free_queue, {key_str(k): ids for k, ids in self.cached.items()})
+                            [None if k is None else key_str(k) for k in self.block_hash],
+                            self.free_queue, {key_str(k): ids for k, ids in self.cached.items_in_key_order()},
+                            keys_sorted=True)
 
     def _check(self) -> None:
         """Pool-local invariants (I1, I2, I3); raises AssertionError naming the block. O(N)."""

@@ -48,5 +48,9 @@ class PrefixMap:
         for key, entry in self._map.items():
             yield key, list(entry)
 
+    def items_in_key_order(self) -> list[tuple[BlockKey, list[int]]]:
+        """(key, blocks) sorted by key: by hash, then by group. O(K log K)."""
+        return [(key, list(entry)) for key, entry in sorted(self._map.items())]
+
     def clear(self) -> None:
         self._map.clear()

@@ -1,10 +1,13 @@
 """Incremental checking (kvspec.oracle.incremental) gives the full check's verdicts.
 
-Three checks: (1) on random traces of correct targets and of known-bug variants, after every
+Four checks: (1) on random traces of correct targets and of known-bug variants, after every
 operation the incremental oracle returns exactly what ``catalogue.check`` returns; (2) each
 invariant's declared parts (``READS``) are all it reads: perturbing any other part of a real
 snapshot leaves its verdict unchanged; (3) a planted mutation (one part dropped from one
-invariant's ``READS``) is caught by (2), and a grosser one by (1).
+invariant's ``READS``) is caught by (2), and a grosser one by (1); (4) a lean run (the engine
+measures only the facts of ``OBSERVATIONS`` its oracle reads, as the fuzzer's runs do) gives the
+same verdicts and the same read facts as a fully observing one, and a lean engine that measures
+nothing is caught.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ from typing import Any
 
 import pytest
 
+from kvspec.adapters import claims as claimed
 from kvspec.adapters.targets import get_factory
-from kvspec.drivers.engine import Engine
+from kvspec.drivers import harness
+from kvspec.drivers.engine import OBSERVATIONS, Engine
+from kvspec.drivers.harness import Run
 from kvspec.drivers.opgen import OpGenerator, RandomChoices, random_config
 from kvspec.oracle.catalogue import CATALOGUE, check
 from kvspec.oracle.incremental import READS, IncrementalOracle, Part
@@ -184,3 +190,53 @@ def test_identical_containers_count_as_touched() -> None:
     assert inc.ran == before + 1
     inc.check(copy.deepcopy(snap))
     assert inc.ran == before + 1  # an equal copy is untouched: skipped
+
+
+# -- lean runs: the engine measures only the facts the oracle reads -------------------------------
+
+LEAN = [("model", "repair", None), ("model", "baseline", None), ("model", "signal-rescan", None),
+        ("bug:vllm-fixme", "repair", ("C4",)), ("bug:self-eviction", "repair", ("C5",)),
+        ("bug:thrash", "repair", ("C6",)), ("bug:dedup-by-gpu-id", "repair", ("C3",)),
+        ("bug:final-step-lost", "repair", ("C7",)), ("bug:final-step-lost", "repair", ("I5", "C3"))]
+
+
+def _lean_disagreements(target: str, policy: str, oracle: tuple[str, ...] | None, seed: int) -> tuple[list[str], int]:
+    """One random trace through a full run and a lean run (``Run(lean=True)``) of ``target``: where
+    their verdicts, or the engine facts the oracle reads, differ after an operation; and how many
+    operations ended in a violation or showed a measured fact (so that agreement was not vacuous)."""
+    rng = random.Random(seed)
+    cfg = random_config(RandomChoices(rng), policy, False)
+    ids = oracle if oracle is not None else claimed.resolve(None, cfg, None).ids
+    full, lean = Run(cfg, get_factory(target), ids), Run(cfg, get_factory(target), ids, lean=True)
+    read = [f for f in OBSERVATIONS if any(("engine", f) in READS[i] for i in ids)]
+    gen = OpGenerator(cfg, RandomChoices(rng))
+    bad, seen = [], 0
+    for n in range(60):
+        op = gen.next_op(full.engine)
+        want, got = full.apply(op, recorded=False), lean.apply(op, recorded=False)
+        facts = [(f, full.snapshot["engine"][f], lean.snapshot["engine"][f]) for f in read]
+        if (want and want.describe()) != (got and got.describe()) or any(a != b for _, a, b in facts):
+            bad.append(f"operation {n} ({op['op']}): full {want and want.describe()} {facts}, "
+                       f"lean {got and got.describe()}")
+        seen += bool(want) or any(a for _, a, _ in facts)
+        if want is not None:
+            break
+    return bad, seen
+
+
+@pytest.mark.parametrize(("target", "policy", "oracle"), LEAN)
+def test_lean_runs_agree_with_full_observation(target: str, policy: str, oracle: tuple[str, ...] | None) -> None:
+    seen = 0
+    for seed in range(10):
+        bad, n = _lean_disagreements(target, policy, oracle, seed)
+        assert bad == []
+        seen += n
+    if oracle is not None:
+        assert seen, f"{target} {oracle}: nothing measured or found, so the agreement judged nothing"
+
+
+def test_a_blind_lean_engine_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted mutation: lean runs measure none of the engine's facts; the agreement check names it."""
+    monkeypatch.setattr(harness, "engine_parts_read", lambda ids: frozenset())
+    assert any(_lean_disagreements("bug:self-eviction", "repair", ("C5",), seed)[0] for seed in range(10))
+    assert any(_lean_disagreements("model", "repair", None, seed)[0] for seed in range(10))

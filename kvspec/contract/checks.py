@@ -393,7 +393,8 @@ def check_block_key(key: object, num_groups: int | None, pool: str, what: str, *
     if not lookup and (not h or "\n" in h):
         raise InvalidBlockError(f"{pool}: cannot {what} key {echo(key)}: the block hash must be a non-empty, "
                                 "one-line str")
-    check_group_id(g, num_groups, pool, f"{what} key {echo(key)}")
+    if not isinstance(g, int) or isinstance(g, bool) or g < 0 or (num_groups is not None and g >= num_groups):
+        check_group_id(g, num_groups, pool, f"{what} key {echo(key)}")  # raises, with the key in the message
 
 
 def check_cached_block_query(block_hash: object, group_ids: object, num_groups: int | None, pool: str) -> None:

@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,22 +110,32 @@ def bind_operation(driver: object, op: object, ops: tuple[str, ...]) -> tuple[st
         raise InvalidOperationError(f"unknown operation {echo(name)}; known: {', '.join(ops)}")
     handler = getattr(driver, f"op_{name}")
     args = {k: v for k, v in op.items() if k != "op"}
-    try:
-        _handler_signature(type(driver), name).bind(None, **args)
-    except TypeError as exc:
-        raise InvalidOperationError(f"bad arguments for {name}: {exc}") from None
+    signature, names, required = _handler_signature(type(driver), name)
+    if names is None or not (args.keys() <= names and required <= args.keys()):
+        try:
+            signature.bind(None, **args)
+        except TypeError as exc:
+            raise InvalidOperationError(f"bad arguments for {name}: {exc}") from None
     return name, handler, args
 
 
-_SIGNATURES: dict[tuple[type, str], inspect.Signature] = {}
+_SIGNATURES: dict[tuple[type, str], tuple[inspect.Signature, frozenset[str] | None, frozenset[str]]] = {}
 
 
-def _handler_signature(driver_type: type, name: str) -> inspect.Signature:
+def _handler_signature(driver_type: type, name: str) -> tuple[inspect.Signature, frozenset[str] | None, frozenset[str]]:
     """The signature of ``driver_type.op_<name>`` (``self`` included), computed once per class and
-    operation: reading it costs more than most operations do."""
+    operation (reading it costs more than most operations do), with the names of its keyword
+    arguments and of the required ones: arguments whose names are among the first and include the
+    second bind without ``Signature.bind`` (which still runs for anything else, and words the
+    error). Names are None when the handler takes a variadic or positional-only argument."""
     key = (driver_type, name)
     if key not in _SIGNATURES:
-        _SIGNATURES[key] = inspect.signature(getattr(driver_type, f"op_{name}"))
+        signature = inspect.signature(getattr(driver_type, f"op_{name}"))
+        params = list(signature.parameters.values())[1:]
+        plain = all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD or p.kind is inspect.Parameter.KEYWORD_ONLY
+                    for p in params)
+        _SIGNATURES[key] = (signature, frozenset(p.name for p in params) if plain else None,
+                            frozenset(p.name for p in params if p.default is inspect.Parameter.empty))
     return _SIGNATURES[key]
 
 
@@ -286,11 +296,22 @@ def prompt_tokens(family: int, length: int) -> list[int]:
     return [family * 1_000_000 + i for i in range(length)]
 
 
-class Engine:
-    """Drives one ``OffloadTarget``; ``apply(op)`` runs one trace operation."""
+OBSERVATIONS = ("last_plan", "last_finish", "converging_step")
+"""The facts the engine measures for the oracle from outside the target, each shown in its
+snapshot's engine section: what a planning step or finish flush did (``last_plan``, C3, C5, C6:
+snapshots before and after the planning), what a finish had to flush (``last_finish``, C7) and
+whether a step began quiescent (``converging_step``, C4). Measuring them costs two or three
+target snapshots per step or finish; an engine told to observe fewer shows the others as None
+(False) and judges nothing differently for an oracle that does not read them."""
 
-    def __init__(self, target: OffloadTarget) -> None:
+
+class Engine:
+    """Drives one ``OffloadTarget``; ``apply(op)`` runs one trace operation. ``observe``: which of
+    ``OBSERVATIONS`` to measure (all by default)."""
+
+    def __init__(self, target: OffloadTarget, observe: Iterable[str] = OBSERVATIONS) -> None:
         self.target = target
+        self.observe = frozenset(observe)
         self.config = target.config
         self.gpu = target.gpu_pool
         self.B = self.config.block_size
@@ -388,7 +409,7 @@ class Engine:
                 self._process(self.in_flight.pop(), accept)
             return ConnectorMetadata()
 
-        self.converging_step = not admit and self._quiescent()
+        self.converging_step = not admit and "converging_step" in self.observe and self._quiescent()
         out = SchedulerOutput(scheduled_cached_reqs=CachedRequestData())
         scheduled: dict[str, int] = {}
         drafts = Drafts()
@@ -405,11 +426,12 @@ class Engine:
         out.scheduled_spec_decode_tokens = {rid: [-1] * n for rid, n in drafts.scheduled.items()}
         out.preempted_req_ids = set(self.preempted_since_step)
         out.finished_req_ids = set(self.finished_since_step)
-        pre = self.snapshot()
+        pre = self.snapshot() if "last_plan" in self.observe else None
         meta = self.target.build_connector_meta(out)
-        queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
-        self.last_plan = observe_plan(pre, self.target.snapshot(),
-                                      list((Counter(meta.store_gpu_blocks) - queued).elements()))
+        if pre is not None:
+            queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
+            self.last_plan = observe_plan(pre, self.target.snapshot(),
+                                          list((Counter(meta.store_gpu_blocks) - queued).elements()))
         self._after_build(meta)
         batch = self._update_after_schedule(scheduled, drafts)
         self._forward(scheduled, meta)
@@ -585,18 +607,23 @@ class Engine:
         rid = r.request_id
         self._remove_skipped_blocks(r)
         clipped = tuple(list(t[: -(-r.num_computed_tokens // self.B)]) for t in r.table)
+        plan, flush = observe and "last_plan" in self.observe, observe and "last_finish" in self.observe
+        pre = self.snapshot() if plan or flush else None
         if observe:
-            expected = self._flush_expectation(r, clipped)
-            pre = self.snapshot()
+            self.last_finish = None
+        store_state = None if pre is None else pre["scheduler"]["reqs_to_store"].get(rid)
+        expected = self._flush_expectation(r, clipped, store_state) if flush else []
         self.target.request_finished_all_groups(r, clipped)
-        if observe:
+        if pre is not None:
             post = self.target.snapshot()
-            queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
-            flushed = Counter(g for t in post["scheduler"]["pending_finished_stores"] for g in t["gpu"])
-            self.last_plan = observe_plan(pre, post, list((flushed - queued).elements()), rid)
-            before = covered_keys(pre)
-            self.last_finish = {"rid": rid, "keys": expected, "fresh": [k for k in expected if k not in before],
-                                "cpu_free_after": len(post["cpu_pool"]["free_queue"])}
+            if plan:
+                queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
+                flushed = Counter(g for t in post["scheduler"]["pending_finished_stores"] for g in t["gpu"])
+                self.last_plan = observe_plan(pre, post, list((flushed - queued).elements()), rid)
+            if flush:
+                before = covered_keys(pre)
+                self.last_finish = {"rid": rid, "keys": expected, "fresh": [k for k in expected if k not in before],
+                                    "cpu_free_after": len(post["cpu_pool"]["free_queue"])}
         for queue in (self.running, self.holding):
             if rid in queue:
                 queue.remove(rid)
@@ -614,11 +641,12 @@ class Engine:
         gpu_ok = self.gpu.reset_prefix_cache()
         return gpu_ok, self.target.reset()
 
-    def _flush_expectation(self, r: EngineRequest, table: tuple[list[int], ...]) -> list[str]:
+    def _flush_expectation(self, r: EngineRequest, table: tuple[list[int], ...], st: dict[str, Any] | None
+                           ) -> list[str]:
         """Keys the finish flush must cover: owned, hashed, confirmed positions at or after the cursor
         (a sliding-window position that left the window is not owned, even while a batch in flight
-        keeps its block in the table)."""
-        st = self.target.snapshot()["scheduler"]["reqs_to_store"].get(r.request_id)
+        keeps its block in the table). ``st``: the request's store state in the target's snapshot
+        before the finish."""
         if st is None or st["finished"]:
             return []
         confirmed = (r.num_computed_tokens - r.num_output_placeholders) // self.B

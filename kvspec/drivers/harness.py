@@ -39,7 +39,7 @@ from kvspec.adapters import claims as claimed
 from kvspec.adapters.targets import TargetFactory
 from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import KVSpecError
-from kvspec.drivers.engine import Engine
+from kvspec.drivers.engine import OBSERVATIONS, Engine
 from kvspec.drivers.opgen import (
     FUZZ_MIX,
     HypothesisChoices,
@@ -52,7 +52,7 @@ from kvspec.drivers.opgen import (
 from kvspec.drivers.trace import Trace
 from kvspec.oracle import oracles
 from kvspec.oracle.catalogue import Violation, check, covered_keys, owned_below_cursor
-from kvspec.oracle.incremental import IncrementalOracle
+from kvspec.oracle.incremental import IncrementalOracle, engine_parts_read
 
 VIOLATION, CRASH, DIVERGENCE, EXPECTATION = "violation", "crash", "divergence", "expectation"
 MESSAGE_LIMIT = 500  # characters of a crash or divergence text
@@ -189,17 +189,21 @@ class Run:
     time; ``apply`` returns the finding an operation produced, or None. ``index`` counts the
     operations applied, ``rejected`` those rejected cleanly. ``incremental``: the oracle runs only
     the invariants an operation touched (``kvspec.oracle.incremental``; same verdicts, a violation
-    is the full check's); ``final_check`` then judges the last snapshot in full."""
+    is the full check's); ``final_check`` then judges the last snapshot in full. ``lean``: the
+    engines measure only the facts of ``OBSERVATIONS`` that the oracle reads (the fuzzer's runs;
+    same verdicts, ``tests/test_incremental.py``), not those a report of the run would show."""
 
     def __init__(self, config: OffloadConfig, factory: TargetFactory, oracle: Iterable[str],
                  reference: TargetFactory | None = None, rare: RarePaths | None = None,
-                 refine: bool = False, incremental: bool = False) -> None:
+                 refine: bool = False, incremental: bool = False, lean: bool = False) -> None:
         self.config = config
         self.ids = tuple(oracle)
         self.incremental = IncrementalOracle(self.ids) if incremental else None
         self.refine = refine and not config.lazy_offload  # lazy offload keeps no store state to refine
-        self.engine = Engine(factory(config))
-        self.ref = Engine(reference(config)) if reference is not None else None
+        read = engine_parts_read(self.ids) if lean else None
+        observe = OBSERVATIONS if read is None else tuple(f for f in OBSERVATIONS if f in read)
+        self.engine = Engine(factory(config), observe)
+        self.ref = Engine(reference(config), observe) if reference is not None else None
         self.rare = rare
         self.index = 0
         self.rejected = 0
@@ -341,10 +345,10 @@ def _raised_in(exc: BaseException, objects: tuple[object, ...]) -> bool:
 
 def start_run(config: OffloadConfig, factory: TargetFactory, oracle: Iterable[str],
               reference: TargetFactory | None = None, rare: RarePaths | None = None,
-              refine: bool = False, incremental: bool = False) -> Run | Outcome:
+              refine: bool = False, incremental: bool = False, lean: bool = False) -> Run | Outcome:
     """A ``Run``, or the crash of building the target (a finding at no operation)."""
     try:
-        return Run(config, factory, oracle, reference, rare, refine, incremental)
+        return Run(config, factory, oracle, reference, rare, refine, incremental, lean)
     except KVSpecError:
         raise
     except Exception as exc:
@@ -419,7 +423,7 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
     finding is the one returned (verdicts are always the full check's). ``refine`` adds the
     refinement check (R1) after every accepted operation."""
     ids = tuple(oracle)
-    run = start_run(config, factory, ids, None, rare, refine, incremental)
+    run = start_run(config, factory, ids, None, rare, refine, incremental, lean=True)
     if isinstance(run, Outcome):
         return [], run
     gen = OpGenerator(config, RandomChoices(rng), mix)
@@ -443,7 +447,7 @@ def _replayed_in_full(config: OffloadConfig, factory: TargetFactory, ids: tuple[
                       ) -> tuple[list[dict[str, Any]], Outcome]:
     """``ops`` replayed with the full oracle after every operation: the finding, and the operations
     up to it. (Generated operations that were rejected are not in ``ops``; strict ones are.)"""
-    run = start_run(config, factory, ids, refine=refine)
+    run = start_run(config, factory, ids, refine=refine, lean=True)
     if isinstance(run, Outcome):
         return [], run
     for n, op in enumerate(ops):
@@ -744,7 +748,7 @@ class EngineMachine:
         spec = self.spec
         config = random_config(HypothesisChoices(data), spec.policy, spec.lazy)
         oracle = spec.oracle if spec.oracle is not None else default_oracle(config)
-        run = start_run(config, spec.factory, oracle, spec.reference, self.rare, spec.refine)
+        run = start_run(config, spec.factory, oracle, spec.reference, self.rare, spec.refine, lean=True)
         if isinstance(run, Outcome):
             raise AssertionError(run.describe())
         self._run = run

@@ -134,14 +134,13 @@ def owned_below_cursor(s: Snapshot) -> Iterable[tuple[str, int, int, int, str]]:
     groups = s["engine"]["config"]["groups"]
     bs = _block_size(s)
     for rid, st, r in _active_store_requests(s):
+        hashes = r["block_hashes"]
         for g, cursor in enumerate(st["num_stored_blocks"]):
             table = r["table"][g] if g < len(r["table"]) else []
             for p in range(_floor(groups, g, r, bs), min(cursor, len(table))):
                 b = table[p]
-                if b == 0:
-                    continue
-                key = gpu_hash[b]
-                if key is not None and _hash_of(key) == (r["block_hashes"][p] if p < len(r["block_hashes"]) else None):
+                key = gpu_hash[b] if b != 0 else None
+                if key is not None and key.rpartition(":")[0] == (hashes[p] if p < len(hashes) else None):
                     yield rid, g, p, b, key
 
 
@@ -257,12 +256,14 @@ def _i1(s: Snapshot) -> Iterable[Violation]:
         queue = p["free_queue"]
         if "free_count" in p:
             yield Violation("I1", f"{name}: free count {p['free_count']} but {len(queue)} blocks in the free queue")
-        for b, n in Counter(queue).items():
-            if n > 1:
-                yield Violation("I1", f"{name}: block {b} is queued {n} times", (b,))
         queued = set(queue)
+        if len(queued) < len(queue):
+            for b, n in Counter(queue).items():
+                if n > 1:
+                    yield Violation("I1", f"{name}: block {b} is queued {n} times", (b,))
+        refs = p["ref_cnt"]
         for b in range(1, p["num_blocks"]):
-            ref = p["ref_cnt"][b]
+            ref = refs[b]
             if ref < 0:
                 yield Violation("I1", f"{name}: block {b} has ref count {ref}", (b,))
             elif (b in queued) != (ref == 0):
@@ -319,17 +320,12 @@ def _i4(s: Snapshot) -> Iterable[Violation]:
     """A CPU block's ref count equals its listings as a store destination (pending, queued or
     abandoned) + in loads (including abandoned ones) + in pending pins."""
     sched = s["scheduler"]
-    want: Counter[int] = Counter()
+    want = Counter([b for pin in sched["pending_cpu_hits"].values() for g in pin["blocks"] for b in g if b != 0])
     for _, t in _all_store_transfers(sched):
         want.update(t["cpu"])
     for _, ls in _loads(sched):
         want.update(ls["cpu"])
-    for pin in sched["pending_cpu_hits"].values():
-        want.update(b for g in pin["blocks"] for b in g if b != 0)
-    ref = s["cpu_pool"]["ref_cnt"]
-    for b in range(1, len(ref)):
-        if ref[b] != want[b]:
-            yield Violation("I4", f"CPU block {b} has ref {ref[b]}, transfers and pins account for {want[b]}", (b,))
+    yield from _ref_accounting("I4", "CPU", s["cpu_pool"]["ref_cnt"], want, "transfers and pins")
 
 
 @invariant("I5", "GPU ref accounting", needs_engine=True)
@@ -338,20 +334,22 @@ def _i5(s: Snapshot) -> Iterable[Violation]:
     transfers (pending, queued, abandoned) + in loads + in the engine's deferred frees (blocks a
     batch in flight still writes)."""
     sched = s["scheduler"]
-    want: Counter[int] = Counter()
-    for r in s["engine"]["requests"].values():
-        for t in r["table"]:
-            want.update(b for b in t if b != 0)
+    want = Counter([b for r in s["engine"]["requests"].values() for t in r["table"] for b in t if b != 0])
     for blocks in s["engine"].get("deferred_frees", ()):
         want.update(blocks)
     for _, t in _all_store_transfers(sched):
         want.update(t["gpu"])
     for _, ls in _loads(sched):
         want.update(ls["gpu"])
-    ref = s["gpu_pool"]["ref_cnt"]
+    yield from _ref_accounting("I5", "GPU", s["gpu_pool"]["ref_cnt"], want, "owners and transfers")
+
+
+def _ref_accounting(id_: str, side: str, ref: list[int], want: Counter[int], owners: str) -> Iterable[Violation]:
+    """I4 and I5: every non-null block's ref count is ``want``'s count of it. O(blocks)."""
+    count = want.get
     for b in range(1, len(ref)):
-        if ref[b] != want[b]:
-            yield Violation("I5", f"GPU block {b} has ref {ref[b]}, owners and transfers account for {want[b]}", (b,))
+        if ref[b] != count(b, 0):
+            yield Violation(id_, f"{side} block {b} has ref {ref[b]}, {owners} account for {want[b]}", (b,))
 
 
 @invariant("I6", "in-flight protection", enforced_by=("model assertion", "stateful invariant"))

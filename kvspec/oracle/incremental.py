@@ -79,13 +79,14 @@ after an operation that changed only that part (the agreement test catches it on
 _MISSING = object()
 
 
-def _get(snap: Snapshot, part: Part) -> Any:
-    value: Any = snap
-    for key in part:
-        if not isinstance(value, dict) or key not in value:
-            return _MISSING
-        value = value[key]
-    return value
+def engine_parts_read(ids: Iterable[str]) -> frozenset[str] | None:
+    """The parts of the engine section that the invariants ``ids`` read (``READS``), or None when
+    one of them has no ``READS`` entry (then nothing can be left out). The run loop measures only
+    these of the engine's facts (``kvspec.drivers.engine.OBSERVATIONS``). O(parts)."""
+    ids = tuple(ids)
+    if any(i not in READS for i in ids):
+        return None
+    return frozenset(p[1] for i in ids for p in READS[i] if p[0] == "engine")
 
 
 class IncrementalOracle:
@@ -97,7 +98,13 @@ class IncrementalOracle:
     def __init__(self, ids: Iterable[str], reads: Mapping[str, tuple[Part, ...]] | None = None) -> None:
         self.ids = tuple(ids)
         table = READS if reads is None else reads
-        self._parts: tuple[Part, ...] = tuple(dict.fromkeys(p for i in self.ids for p in table[i]))
+        parts = dict.fromkeys(p for i in self.ids for p in table[i])
+        # the parts grouped by the path that leads to their section, read one section at a time
+        sections: dict[Part, list[str]] = {}
+        for p in parts:
+            sections.setdefault(p[:-1], []).append(p[-1])
+        self._sections = tuple((path, tuple(keys)) for path, keys in sections.items())
+        self._parts: tuple[Part, ...] = tuple((*path, k) for path, keys in self._sections for k in keys)
         index = {p: n for n, p in enumerate(self._parts)}
         self._masks = tuple(sum(1 << index[p] for p in table[i]) for i in self.ids)
         self._last: list[Any] | None = None
@@ -107,12 +114,28 @@ class IncrementalOracle:
     def reset(self) -> None:
         self._last = None
 
+    def _values(self, snap: Snapshot) -> list[Any]:
+        """The parts' values in ``snap`` (a missing one as ``_MISSING``). O(parts)."""
+        values: list[Any] = []
+        for path, keys in self._sections:
+            section: Any = snap
+            for key in path:
+                section = section.get(key) if isinstance(section, dict) else None
+            if isinstance(section, dict):
+                values.extend([section.get(k, _MISSING) for k in keys])
+            else:
+                values.extend([_MISSING] * len(keys))
+        return values
+
     def check(self, snap: Snapshot) -> list[Violation]:
         """``catalogue.check(snap, ids)`` for a snapshot that follows the last clean one."""
-        values = [_get(snap, p) for p in self._parts]
+        values = self._values(snap)
         last = self._last
-        changed = -1 if last is None else sum(1 << n for n, (a, b) in enumerate(zip(values, last, strict=True))
-                                              if a != b or (a is b and isinstance(a, (dict, list))))
+        changed = -1 if last is None else 0
+        if last is not None:
+            for n, (a, b) in enumerate(zip(values, last, strict=True)):
+                if (isinstance(a, (dict, list)) if a is b else a != b):
+                    changed |= 1 << n
         has_engine = "engine" in snap
         out: list[Violation] = []
         for id_, mask in zip(self.ids, self._masks, strict=True):
