@@ -204,7 +204,7 @@ def test_a_model_deciding_an_open_detail_otherwise_diverges(options: SignalResca
     patch on some trace."""
     for asynchronous in (True, False):
         config = replace(CONFIGS["full-ws1"], async_scheduling=asynchronous)
-        for seed in range(40):
+        for seed in range(160):
             ops = policy_trace(config, seed)
             if lockstep(config, ops, "vllm+pr47235", reference=_model_with(options)) is not None:
                 return
