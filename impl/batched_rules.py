@@ -18,6 +18,7 @@ def ready_blocks(done: torch.Tensor, lengths: torch.Tensor, block_size: int) -> 
     return torch.minimum(lengths, confirmed.view(-1, 1))
 
 
-def window_floors(computed: torch.Tensor, windows: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``rules.window_floor`` elementwise (``windows`` >= 1 where the result is read). O(len)."""
-    return torch.div((computed - windows + 1).clamp(min=0), block_size, rounding_mode="floor")
+def window_floors(confirmed: torch.Tensor, windows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``rules.window_floor`` elementwise: ``confirmed[i]`` = computed tokens minus output
+    placeholders (``windows`` >= 1 where the result is read). O(len)."""
+    return torch.div((confirmed - windows + 1).clamp(min=0), block_size, rounding_mode="floor")

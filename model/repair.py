@@ -168,8 +168,9 @@ class RepairPolicy(BaselinePolicy):
             return None
         spec = self.sched.config.groups[g]
         if spec.kind == "sliding":
-            computed = st.request.num_computed_tokens
-            if p < window_floor(computed, spec.sliding_window, self.sched.block_size):
+            r = st.request
+            if p < window_floor(r.num_computed_tokens, r.num_output_placeholders, spec.sliding_window,
+                                self.sched.block_size):
                 return None
         b = ids[p]
         gpu = self.sched.gpu_pool
@@ -257,7 +258,9 @@ class RepairPolicy(BaselinePolicy):
         if spec.kind != "sliding":
             return
         rid = st.request.request_id
-        floor = window_floor(st.request.num_computed_tokens, spec.sliding_window, self.sched.block_size)
+        r = st.request
+        floor = window_floor(r.num_computed_tokens, r.num_output_placeholders, spec.sliding_window,
+                             self.sched.block_size)
         floor = min(floor, st.num_stored_blocks[g], len(st.request.block_hashes))
         for p in range(self.window_floor.get((rid, g), 0), floor):
             self._retire((st.request.block_hashes[p], g))

@@ -46,19 +46,23 @@ def ready_blocks(computed: int, placeholders: int, num_ids: int, block_size: int
     return min(num_ids, max(0, computed - placeholders) // block_size)
 
 
-def window_floor(computed: int, window: int, block_size: int) -> int:
-    """Leading positions of a sliding-window group that have left the window after ``computed``
-    tokens (vLLM ``remove_skipped_blocks``: the block of token ``computed - window`` and those
-    before it are never read again). O(1).
+def window_floor(computed: int, placeholders: int, window: int, block_size: int) -> int:
+    """Leading positions of a sliding-window group that have left the window for good: those
+    whose tokens all precede the last ``window`` *confirmed* tokens, ``computed`` minus output
+    ``placeholders`` (vLLM ``remove_skipped_blocks``: the block of token ``confirmed - window``
+    and those before it are never read again). Placeholders count because speculative drafts
+    among them may be rejected, which lowers the computed tokens and brings positions back into
+    the window; the confirmed tokens never go down while the request runs. O(1).
 
     pre: block_size >= 1
     pre: window >= 1
     pre: computed >= 0
+    pre: placeholders >= 0
     post: __return__ >= 0
-    post: __return__ * block_size <= max(0, computed - window + 1)
-    post: (__return__ + 1) * block_size > computed - window + 1
+    post: __return__ * block_size <= max(0, computed - placeholders - window + 1)
+    post: (__return__ + 1) * block_size > computed - placeholders - window + 1
     """
-    return max(0, computed - window + 1) // block_size
+    return max(0, computed - placeholders - window + 1) // block_size
 
 
 def classify_store_candidate(is_null: bool, hashed: bool, in_flight: bool, cached: bool) -> str:

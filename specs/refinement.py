@@ -149,9 +149,9 @@ class _View:
             lost=frozenset((str(r), int(g), int(p)) for r, g, p in ps.get("lost", ())),
             flag=bool(ps.get("eviction_flag", False)))
 
-    def floor(self, g: int, computed: int) -> int:
+    def floor(self, g: int, computed: int, placeholders: int) -> int:
         kind, window = self.groups[g]
-        return window_floor(computed, window, self.block_size) if kind == "sliding" else 0
+        return window_floor(computed, placeholders, window, self.block_size) if kind == "sliding" else 0
 
 
 def _source(view: _View, own: str | None, b: int) -> int | None:
@@ -183,7 +183,7 @@ def _position(view: _View, req: Mapping[str, Any], g: int, p: int, b: int) -> tu
     src = _source(view, own, b)
     src_key = view.gpu_hash[src] if src is not None else None
     owned = (b != 0 and own is not None and view.gpu_hash[b] == own and view.gpu_ref[b] >= 1
-             and p >= view.floor(g, req["num_computed_tokens"]))
+             and p >= view.floor(g, req["num_computed_tokens"], req["num_output_placeholders"]))
     kept = view.policy == "repair" and not owned and _retained(view, own, b)
     key = own if kept else (src_key if src_key is not None else own)
     copies = view.cpu_cached.get(key) if key is not None else None

@@ -38,9 +38,11 @@ def test_window_floors_batched_is_the_rule(seed: int) -> None:
     rng = random.Random(seed)
     n, B = rng.randint(1, 30), rng.choice([1, 4, 16])
     computed = [rng.randint(0, 300) for _ in range(n)]
+    placeholders = [rng.randint(0, min(c, 4)) for c in computed]
     windows = [rng.randint(1, 64) for _ in range(n)]
-    got = window_floors(torch.tensor(computed), torch.tensor(windows), B).tolist()
-    assert got == [rules.window_floor(c, w, B) for c, w in zip(computed, windows, strict=True)]
+    confirmed = torch.tensor([c - p for c, p in zip(computed, placeholders, strict=True)])
+    got = window_floors(confirmed, torch.tensor(windows), B).tolist()
+    assert got == [rules.window_floor(c, p, w, B) for c, p, w in zip(computed, placeholders, windows, strict=True)]
 
 
 class _Pools:

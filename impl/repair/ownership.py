@@ -36,7 +36,8 @@ class Ownership:
         if p >= len(req.block_hashes):
             return None
         w = self.windows[g]
-        if w and p < window_floor(req.num_computed_tokens, w, self.host.config.block_size):
+        if w and p < window_floor(req.num_computed_tokens, req.num_output_placeholders, w,
+                                  self.host.config.block_size):
             return None
         if b == 0:
             return None

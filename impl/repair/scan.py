@@ -130,9 +130,11 @@ class BatchScanner:
         carries = (blocks != 0) & (block_key == want)
         owned = carries & (gpu.ref[blocks] >= 1)
         if self.ownership.sliding_groups:
-            computed = int_tensor([r.num_computed_tokens for r in requests], host.device)
+            confirmed = int_tensor([r.num_computed_tokens - r.num_output_placeholders for r in requests],
+                                   host.device)
             w = self._windows[layout.group]
-            owned &= (w == 0) | (layout.position >= window_floors(computed[layout.request], w, host.config.block_size))
+            owned &= (w == 0) | (layout.position >= window_floors(confirmed[layout.request], w,
+                                                                  host.config.block_size))
         # R3: a retained copy, the table's block if it carries the key, else the prefix cache's
         kept = torch.where(carries, blocks, gpu.first_of(want.clamp(min=-1)))
         retained = ~owned & (kept > 0) & (gpu.ref[kept.clamp(min=0)] == 0)
@@ -168,7 +170,8 @@ class BatchScanner:
         get_one = host.cpu_pool.index.get_one
         counts, batch_keys = self.in_flight.counts, state.batch_keys
         for g in self.ownership.sliding_groups:
-            floor = min(window_floor(req.num_computed_tokens, self.ownership.windows[g], B), cursors[g],
+            floor = min(window_floor(req.num_computed_tokens, req.num_output_placeholders,
+                                     self.ownership.windows[g], B), cursors[g],
                         len(req.block_hashes))
             start = self.index.window_floor.get((rid, g), 0)
             if floor > start:

@@ -728,7 +728,7 @@ class Engine:
         spec = self.config.groups[g]
         if spec.kind != "sliding":
             return 0
-        return window_floor(num_computed_tokens, spec.sliding_window, self.B)
+        return window_floor(num_computed_tokens, 0, spec.sliding_window, self.B)
 
     def _remove_skipped_blocks(self, r: EngineRequest) -> None:
         """Sliding-window positions that left the window become null and are freed, on the processed

@@ -160,8 +160,8 @@ class HypothesisChoices:
 def random_config(choices: Choices, policy: str, lazy: bool = False, block_size: int = 16) -> OffloadConfig:
     """A small configuration for ``policy``: 12-24 GPU and 4-8 CPU blocks (so that the rare paths
     are common), one or two ranks, now and then a sliding-window group beside the full one,
-    async scheduling (vLLM's default) three times in four, synchronous scheduling otherwise. No
-    speculative decoding here yet (the scheduler lockstep's configurations draw it)."""
+    async scheduling (vLLM's default) three times in four, synchronous scheduling otherwise, and
+    n-gram speculative decoding with one to three draft tokens one time in four."""
     gpu = choices.pick((12, 16, 24))
     cpu = choices.pick((4, 5, 6, 8))
     world = choices.pick((1, 1, 2))
@@ -170,8 +170,10 @@ def random_config(choices: Choices, policy: str, lazy: bool = False, block_size:
         window = choices.pick((block_size, 2 * block_size, 3 * block_size))
         groups = (KVGroup(), KVGroup("sliding", sliding_window=window))
     async_scheduling = choices.chance(0.75)
+    spec = choices.pick((1, 2, 3)) if choices.chance(0.25) else 0
     return OffloadConfig(block_size=block_size, num_gpu_blocks=gpu, num_cpu_blocks=cpu, world_size=world,
-                         groups=groups, policy=policy, lazy_offload=lazy, async_scheduling=async_scheduling)
+                         groups=groups, policy=policy, lazy_offload=lazy, async_scheduling=async_scheduling,
+                         num_speculative_tokens=spec)
 
 
 # -- the generator ---------------------------------------------------------------------------

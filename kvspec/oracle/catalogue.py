@@ -120,7 +120,8 @@ def _active_store_requests(s: Snapshot) -> Iterable[tuple[str, dict[str, Any], d
 def _floor(groups: list[dict[str, Any]], g: int, r: dict[str, Any], block_size: int) -> int:
     """First position of group ``g`` still in the window of request ``r`` (0 for full attention)."""
     if g < len(groups) and groups[g]["kind"] == "sliding":
-        return window_floor(r["num_computed_tokens"], groups[g]["sliding_window"], block_size)
+        return window_floor(r["num_computed_tokens"], r["num_output_placeholders"], groups[g]["sliding_window"],
+                            block_size)
     return 0
 
 

@@ -95,7 +95,8 @@ class SnapshotView:
         spec = self.groups[group]
         if spec["kind"] != "sliding":
             return 0
-        return window_floor(int(request["num_computed_tokens"]), int(spec["sliding_window"]), self.block_size)
+        return window_floor(int(request["num_computed_tokens"]), int(request["num_output_placeholders"]),
+                            int(spec["sliding_window"]), self.block_size)
 
     def lanes(self, rid: str) -> list[Lane]:
         """One lane per group for request ``rid`` (which the snapshot must list)."""
