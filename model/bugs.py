@@ -33,7 +33,7 @@ from kvspec.contract.types import (
 from kvspec.model.baseline import Selection
 from kvspec.model.block_pool import BlockPool
 from kvspec.model.repair import RepairPolicy
-from kvspec.model.rules import ALREADY_CACHED, IN_FLIGHT, READY
+from kvspec.model.rules import ALREADY_CACHED, IN_FLIGHT, READY, window_floor
 from kvspec.model.scheduler import Evicted, OffloadScheduler, PolicyFactory, StoreBatch, StoreState
 from kvspec.model.signal_rescan import SignalRescanPolicy
 
@@ -185,6 +185,20 @@ class RepairRecoversReferenced(RepairPolicy):
         return None if got is None else got[0]
 
 
+class RepairWindowOnDrafts(RepairPolicy):
+    """repair's sliding-window ownership floor on computed tokens, output placeholders included:
+    under async scheduling with speculative decoding, drafts in flight push a position out of
+    the window, its CPU copy's eviction makes no record, and the drafts' rejection brings the
+    position back, owned and lost."""
+
+    def owned_block(self, st: StoreState, ids: list[int], g: int, p: int) -> int | None:
+        spec, r = self.sched.config.groups[g], st.request
+        if spec.kind == "sliding" and p < window_floor(r.num_computed_tokens, 0, spec.sliding_window,
+                                                       self.sched.block_size):
+            return None
+        return super().owned_block(st, ids, g, p)
+
+
 class OldResume(OffloadScheduler):
     """#57816: the connector as it read a step before the fix. It ignores preemptions (the
     stale ids and cursors are kept, and the policy drops nothing), and a full table, new
@@ -226,6 +240,8 @@ BUGS: dict[str, Bug] = {b.name: b for b in [
         store_policy=RepairNoFinishFlush),
     Bug("recover-referenced", "vLLM 0.33.0 null recovery (§7.6)", "repair storing an unowned position from "
         "a referenced GPU block under its key", "repair", None, store_policy=RepairRecoversReferenced),
+    Bug("window-on-drafts", "kvspec fuzzing, speculative decoding", "repair's window floor counts "
+        "unverified drafts as confirmed", "repair", None, store_policy=RepairWindowOnDrafts),
     Bug("mrv2-resume", "#57816", "preemption keeps stale ids; resumed tables are appended", "repair", None,
         scheduler=OldResume),
     Bug("unconfirmed-store", "#45704 (scheduler side)", "stores planned before the data is computed", "repair",

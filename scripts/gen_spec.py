@@ -233,7 +233,9 @@ def render_traces() -> str:
         cfg = header.get("config", {})
         groups = "+".join(g["kind"] for g in cfg.get("groups", []))
         conf = (f"{cfg.get('policy')}, {groups}, CPU {cfg.get('num_cpu_blocks')}, GPU {cfg.get('num_gpu_blocks')}, "
-                f"world {cfg.get('world_size')}")
+                f"world {cfg.get('world_size')}, {'async' if cfg.get('async_scheduling') else 'sync'}")
+        if cfg.get("num_speculative_tokens"):
+            conf += f", {cfg['num_speculative_tokens']} draft tokens"
         note = str(header.get("note", "")).removeprefix("finding: ")
         rows.append(f"| [`{path.name}`](../tests/traces/{path.name}) | `{target}` | {_cell(what)} | {_cell(conf)} | "
                     f"{len(lines) - 1} | {_cell(note)} |")

@@ -7,7 +7,7 @@ from kvspec.model.bugs import BUGS
 
 
 def test_verify_json(capsys):
-    rc = main(["verify", "--budget", "6", "--bug-budget", "3", "--json"])
+    rc = main(["verify", "--budget", "6", "--bug-budget", "10", "--json"])
     res = json.loads(capsys.readouterr().out)
     stages = {s["stage"]: s for s in res["stages"]}
     assert rc == 0 and res["ok"]

@@ -128,9 +128,11 @@ def _floor(groups: list[dict[str, Any]], g: int, r: dict[str, Any], block_size: 
 def owned_below_cursor(s: Snapshot) -> Iterable[tuple[str, int, int, int, str]]:
     """(rid, group, position, block, key) for every position below a live cursor whose
     block the request still owns (its live table holds it) and that is hashed. A
-    sliding-window position that has left the window (below ``(computed - window + 1) //
-    block_size``) is not owned, even before the scheduler's next ``remove_skipped_blocks``
-    frees it: the request never reads it again."""
+    sliding-window position that has left the window of the confirmed tokens (below
+    ``(computed - placeholders - window + 1) // block_size``, ``rules.window_floor``) is not
+    owned, even before the scheduler's next ``remove_skipped_blocks`` frees it: the request
+    never reads it again. Placeholders do not count: speculative drafts among them may be
+    rejected, and the rejection brings positions back into the window."""
     gpu_hash = s["gpu_pool"]["block_hash"]
     groups = s["engine"]["config"]["groups"]
     bs = _block_size(s)
