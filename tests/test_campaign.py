@@ -1,5 +1,7 @@
 """Campaigns on several processes (kvspec.drivers.campaign, ``--workers``) and on a Ray cluster
-(``--ray``, against a one-node cluster the test starts; skipped when Ray is not installed)."""
+(``--ray``, against a one-node cluster the test starts inside a network namespace whose only
+interface is loopback; skipped, with the reason, when Ray is not installed or no such namespace
+can be made)."""
 
 from __future__ import annotations
 
@@ -92,15 +94,38 @@ def _free_port() -> int:
         return port
 
 
+NETNS_ENV = "KVSPEC_RAY_NETNS"  # set by the confining test for the run it starts inside the namespace
+
+
+def test_the_ray_tests_run_confined_to_loopback() -> None:
+    """The tests that need a Ray cluster, run by a pytest started in a new network namespace (a
+    user namespace maps this user to root in it) whose only interface, loopback, is brought up
+    first: Ray's processes can listen on no other address. Both must pass there."""
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'kvspec[ray]' runs this test")
+    unshare, ip = shutil.which("unshare"), shutil.which("ip")
+    if unshare is None or ip is None:
+        pytest.skip("needs unshare(1) and ip(8) to make a loopback-only network namespace")
+    if subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode != 0:
+        pytest.skip("this machine does not allow a new network namespace (unshare -rn failed)")
+    inner = (f'{ip} link set lo up && exec "$0" -m pytest -q -p no:cacheprovider '
+             f'-k runs_as_ray_tasks {__file__}')
+    res = subprocess.run([unshare, "-rn", "sh", "-c", inner, sys.executable], env={**os.environ, NETNS_ENV: "1"},
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert "1 passed" in res.stdout and "skipped" not in res.stdout, res.stdout[-2000:]
+
+
 @pytest.fixture
 def ray_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A one-node Ray cluster of this test's own (2 CPUs, token authentication with a fresh token,
     its own temp dir), stopped by signalling the process group it started; its address."""
     monkeypatch.setenv("RAY_AUTH_MODE", "token")  # before Ray is imported: it reads them once
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
-    if os.environ.get("KVSPEC_RAY_TEST") != "1":
-        pytest.skip("opt-in (KVSPEC_RAY_TEST=1): Ray's runtime-env agent listens on the node's own address "
-                    "even with --node-ip-address=127.0.0.1, so this cluster is not confined to loopback")
+    if os.environ.get(NETNS_ENV) != "1":
+        pytest.skip("runs inside a loopback-only network namespace, which "
+                    "test_the_ray_tests_run_confined_to_loopback makes (Ray's runtime-env agent listens on "
+                    "the node's own address even with --node-ip-address=127.0.0.1)")
+    assert [name for _, name in socket.if_nameindex()] == ["lo"], "the namespace has an interface besides loopback"
     pytest.importorskip("ray", reason="Ray is not installed: pip install 'kvspec[ray]' runs this test")
     ray_bin = Path(sys.executable).with_name("ray")
     port = _free_port()

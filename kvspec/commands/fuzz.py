@@ -101,6 +101,9 @@ class Job:
     refine: bool = False  # the refinement check (R1) after every accepted operation
 
 
+PROGRESS_EVERY_S = 10.0  # progress lines of a run whose stderr is not a terminal
+
+
 @dataclass
 class WorkerResult:
     seed: int
@@ -117,9 +120,20 @@ def fuzz_one(job: Job, seed: int) -> WorkerResult:
     def keep(trace: Trace, stage: str) -> None:
         done.saved[stage] = save_finding(job, factory, trace, stage)
 
+    tty = sys.stderr.isatty()
+    shown = [-PROGRESS_EVERY_S]  # when the last progress line was printed (not a terminal)
+
     def progress(traces: int, ops: int, secs: float) -> None:
-        if not job.quiet and traces % 20 == 0:
-            print(f"\r{traces} traces, {ops} ops, {secs:.0f}/{job.budget:.0f}s", end="", file=sys.stderr)
+        """On a terminal, one line rewritten every 20 traces; in a log, a line every
+        ``PROGRESS_EVERY_S`` seconds."""
+        if job.quiet:
+            return
+        line = f"{traces} traces, {ops} ops, {secs:.0f}/{job.budget:.0f}s"
+        if tty and traces % 20 == 0:
+            print(f"\r{line}", end="", file=sys.stderr)
+        elif not tty and secs - shown[0] >= PROGRESS_EVERY_S:
+            shown[0] = secs
+            print(line, file=sys.stderr)
 
     done.result = fuzz(factory, job.policy, job.budget, seed, job.oracle, job.target, progress=progress,
                        bug=bug, on_finding=keep, refine=job.refine, resume=job.resume.get(seed))
