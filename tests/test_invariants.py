@@ -349,7 +349,8 @@ def m_c7(s: Snap) -> Any:
     if not fin:
         return None
     s["engine"]["last_op"] = "finish"
-    s["engine"]["last_finish"] = {"rid": fin[0], "keys": ["0123456789abcdef:0"], "fresh": [], "cpu_free_after": 1}
+    s["engine"]["finishes"] = [{"rid": fin[0], "keys": ["0123456789abcdef:0"], "fresh": [],
+                                "unstored": ["0123456789abcdef:0"], "out_of_space": False}]
     return (), (fin[0],)
 
 
@@ -357,8 +358,8 @@ def m_c8(s: Snap) -> Any:
     """A finish whose flush left unstored a key that was on CPU nowhere before: C8 (and C7)."""
     if m_c7(s) is None:
         return None
-    s["engine"]["last_finish"]["fresh"] = ["0123456789abcdef:0"]
-    return (), (s["engine"]["last_finish"]["rid"],)
+    s["engine"]["finishes"][0]["fresh"] = ["0123456789abcdef:0"]
+    return (), (s["engine"]["finishes"][0]["rid"],)
 
 
 MUTATORS: dict[str, Mutator] = {

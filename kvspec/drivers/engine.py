@@ -80,7 +80,7 @@ from kvspec.model.block_pool import NULL_BLOCK
 from kvspec.model.hashing import ROOT_HASH, BlockHash, block_hashes, chain_hash
 from kvspec.model.hit_search import find_longest_cache_hit
 from kvspec.model.rules import window_floor
-from kvspec.oracle.catalogue import covered_keys, observe_plan
+from kvspec.oracle.catalogue import observe_finish, observe_plan
 
 WAITING, RUNNING, WAITING_FOR_REMOTE, LOADED, PREEMPTED, FINISHED = (
     "waiting", "running", "waiting_for_remote_kvs", "loaded", "preempted", "finished",
@@ -296,10 +296,12 @@ def prompt_tokens(family: int, length: int) -> list[int]:
     return [family * 1_000_000 + i for i in range(length)]
 
 
-OBSERVATIONS = ("last_plan", "last_finish", "converging_step")
+OBSERVATIONS = ("last_plan", "finishes", "converging_step")
 """The facts the engine measures for the oracle from outside the target, each shown in its
 snapshot's engine section: what a planning step or finish flush did (``last_plan``, C3, C5, C6:
-snapshots before and after the planning), what a finish had to flush (``last_finish``, C7) and
+snapshots before and after the planning), what each finish of the operation had to flush and
+what it left uncovered right after its flush (``finishes``, C7, C8: an abort, or a stop at
+``max_tokens`` while a step processes its output; ``catalogue.observe_finish``) and
 whether a step began quiescent (``converging_step``, C4). Measuring them costs two or three
 target snapshots per step or finish; an engine told to observe fewer shows the others as None
 (False) and judges nothing differently for an oracle that does not read them."""
@@ -345,7 +347,7 @@ class Engine:
         self.last_op: str | None = None
         self.last_result: Any = None
         self.converging_step = False
-        self.last_finish: dict[str, Any] | None = None
+        self.finishes: list[dict[str, Any]] = []  # the last operation's finishes (observe_finish)
         self.last_plan: dict[str, Any] | None = None
 
     # -- dispatch ----------------------------------------------------------------------------
@@ -361,10 +363,12 @@ class Engine:
         is: a crash of the engine or of the target, never "bad input"."""
         name, handler, args = bind_operation(self, op, self.OPS)
         previous_plan, self.last_plan = self.last_plan, None
+        previous_finishes, self.finishes = self.finishes, []
         try:
             result = handler(**args)
         except KVSpecError:
-            self.last_plan = previous_plan  # a rejection leaves the observation as it was
+            self.last_plan = previous_plan  # a rejection leaves the observations as they were
+            self.finishes = previous_finishes
             raise
         self.last_op, self.last_result = name, result
         return result
@@ -596,21 +600,19 @@ class Engine:
         """``rid`` stops or is aborted, in whatever phase it is."""
         if self.status(rid) == FINISHED:
             raise InvalidOperationError(f"{rid} already finished")
-        self._finish(self.requests[rid], observe=True)
+        self._finish(self.requests[rid], plan=True)
 
-    def _finish(self, r: EngineRequest, observe: bool = False) -> None:
+    def _finish(self, r: EngineRequest, plan: bool = False) -> None:
         """vLLM ``_free_request``: out-of-window blocks freed (processed tokens), the connector's
         ``request_finished`` with the table clipped to the computed tokens, then the blocks freed
         (after the load, for a request still waiting on one; after the batch in flight, for one a
-        batch still writes). ``observe``: record the finish flush for the oracle (C3, C5-C8): the keys it
-        had to cover, and of those the ones neither cached on CPU nor being stored before it (``fresh``)."""
+        batch still writes). The finish flush is observed for C7 and C8 (``finishes``); ``plan``
+        (an abort, which is an operation of its own): also as the operation's plan (C3, C5, C6)."""
         rid = r.request_id
         self._remove_skipped_blocks(r)
         clipped = tuple(list(t[: -(-r.num_computed_tokens // self.B)]) for t in r.table)
-        plan, flush = observe and "last_plan" in self.observe, observe and "last_finish" in self.observe
+        plan, flush = plan and "last_plan" in self.observe, "finishes" in self.observe
         pre = self.snapshot() if plan or flush else None
-        if observe:
-            self.last_finish = None
         store_state = None if pre is None else pre["scheduler"]["reqs_to_store"].get(rid)
         expected = self._flush_expectation(r, clipped, store_state) if flush else []
         self.target.request_finished_all_groups(r, clipped)
@@ -621,9 +623,7 @@ class Engine:
                 flushed = Counter(g for t in post["scheduler"]["pending_finished_stores"] for g in t["gpu"])
                 self.last_plan = observe_plan(pre, post, list((flushed - queued).elements()), rid)
             if flush:
-                before = covered_keys(pre)
-                self.last_finish = {"rid": rid, "keys": expected, "fresh": [k for k in expected if k not in before],
-                                    "cpu_free_after": len(post["cpu_pool"]["free_queue"])}
+                self.finishes.append(observe_finish(pre, post, rid, expected))
         for queue in (self.running, self.holding):
             if rid in queue:
                 queue.remove(rid)
@@ -1066,8 +1066,7 @@ class Engine:
         operation may name it again. O(live requests + target state)."""
         snap = self.target.snapshot()
         named = _requests_named(snap["scheduler"]) | set(self.loads_shipped)
-        if self.last_op == "finish" and self.last_finish is not None:
-            named.add(self.last_finish["rid"])
+        named.update(fin["rid"] for fin in self.finishes)
         shown = {**self.live, **{rid: self.requests[rid] for rid in named if rid in self.requests}}
         for rid in [rid for rid in self.requests if rid not in shown]:  # finished, and named by nothing:
             del self.requests[rid]  # retired for good (no operation can name it again), so that the
@@ -1096,7 +1095,7 @@ class Engine:
             "last_op": self.last_op,
             "last_result": list(self.last_result) if isinstance(self.last_result, tuple) else None,
             "converging_step": self.converging_step,
-            "last_finish": self.last_finish if self.last_op == "finish" else None,
+            "finishes": list(self.finishes),
             "last_plan": self.last_plan,
         }
         return snap

@@ -625,26 +625,42 @@ def _c6(s: Snapshot) -> Iterable[Violation]:
                         f"with {plan['new_work_copies']} new-work copies: re-stores evicted the rest")
 
 
-def _flush_misses(s: Snapshot, keys: list[str]) -> list[str]:
-    """Of ``keys``, those neither cached on CPU nor being stored after a finish flush; none when the
-    flush ran out of space (every CPU block still free afterwards holds one of the finished
-    request's own cached keys, which its released pins freed). O(CPU map + live stores)."""
-    fin = s["engine"]["last_finish"]
-    cached = s["cpu_pool"]["cached"]
-    if not keys or fin["cpu_free_after"] <= sum(1 for k in fin["keys"] if k in cached):
-        return []
-    covered = covered_keys(s)
-    return [k for k in keys if k not in covered]
+def observe_finish(pre: Snapshot, post: Snapshot, rid: str, keys: list[str]) -> dict[str, Any]:
+    """What one finish flush did, measured from outside the policy: the facts C7 and C8 judge, kept
+    in the engine section's ``finishes`` (an operation may finish several requests: an abort, or
+    every request a step's output stops at ``max_tokens``; each flush is measured right after it,
+    before the next can evict what it stored).
+
+    ``pre`` and ``post`` are the target's snapshots just before and just after the connector's
+    ``request_finished`` for request ``rid``, ``keys`` the keys the flush had to cover (owned,
+    hashed, confirmed positions at or after the cursor, measured by the engine). Facts: ``keys``;
+    ``fresh``, those neither cached on CPU nor being stored before the finish; ``unstored``, those
+    neither cached nor being stored right after it; ``out_of_space``, whether the flush ran out of
+    CPU space (every CPU block still free afterwards holds one of the request's own cached keys,
+    which its released pins freed). O(CPU map + live stores)."""
+    before, after = covered_keys(pre), covered_keys(post)
+    cached = post["cpu_pool"]["cached"]
+    return {"rid": rid, "keys": list(keys), "fresh": [k for k in keys if k not in before],
+            "unstored": [k for k in keys if k not in after],
+            "out_of_space": len(post["cpu_pool"]["free_queue"]) <= sum(1 for k in keys if k in cached)}
+
+
+def _flush_misses(fin: dict[str, Any], keys: Iterable[str]) -> list[str]:
+    """Of ``keys``, those finish ``fin`` left neither cached nor being stored; none when its flush
+    ran out of space."""
+    unstored = set(fin["unstored"])
+    return [] if fin["out_of_space"] else [k for k in keys if k in unstored]
 
 
 @invariant("C7", "finish flush", needs_engine=True)
 def _c7(s: Snapshot) -> Iterable[Violation]:
-    """When a request finishes, each owned, hashed, confirmed position at or after its cursor is
-    cached on CPU or being stored (#41704), unless the flush ran out of space: every CPU block
-    still free afterwards holds one of the request's own cached keys (pins it released)."""
-    fin = s["engine"].get("last_finish")
-    for key in _flush_misses(s, fin["keys"]) if fin else ():
-        yield Violation("C7", f"finish left confirmed key {key} unstored", (), (fin["rid"],))
+    """When a request finishes (aborted, or stopped at ``max_tokens`` by a step's output), each
+    owned, hashed, confirmed position at or after its cursor is cached on CPU or being stored right
+    after its finish flush (#41704), unless the flush ran out of space: every CPU block still free
+    afterwards holds one of the request's own cached keys (pins it released)."""
+    for fin in s["engine"].get("finishes", ()):
+        for key in _flush_misses(fin, fin["keys"]):
+            yield Violation("C7", f"finish left confirmed key {key} unstored", (), (fin["rid"],))
 
 
 @invariant("C8", "finish flush of unstored keys", needs_engine=True)
@@ -654,10 +670,10 @@ def _c8(s: Snapshot) -> Iterable[Violation]:
     stored right after it (#41704), unless the flush ran out of space (as in C7). Weaker than C7:
     a key the flush found covered and its own allocations then evicted is left to C5 and C7, so
     vLLM 0.33.0, whose flush can evict the request's own entries, keeps this rule."""
-    fin = s["engine"].get("last_finish")
-    for key in _flush_misses(s, fin["fresh"]) if fin else ():
-        yield Violation("C8", f"finish left confirmed key {key} unstored (not on CPU before the finish)", (),
-                        (fin["rid"],))
+    for fin in s["engine"].get("finishes", ()):
+        for key in _flush_misses(fin, fin["fresh"]):
+            yield Violation("C8", f"finish left confirmed key {key} unstored (not on CPU before the finish)", (),
+                            (fin["rid"],))
 
 
 LOCAL_INVARIANTS = ("I1", "I2", "I3", "I4", "I6", "I7", "I9", "I13")
