@@ -63,3 +63,21 @@ def test_cli_replay_on_the_model_uses_the_recorded_claims(name: str, capsys: pyt
     """The header's oracle is the derived policy's claims: the correct model passes it."""
     assert main(["replay", str(TRACES / f"{name}.jsonl"), "--target", "model"]) == 0
     assert "no finding" in capsys.readouterr().out
+
+
+def test_a_stop_at_max_tokens_is_judged_by_the_finish_flush_rules() -> None:
+    """A request that a step's output stops at ``max_tokens`` (async scheduling) finishes inside that
+    step; its finish flush is judged like an abort's: without the flush (``final-step-lost``) the
+    confirmed block left unstored is a C7 violation at that step, and the correct policy is clean."""
+    from kvspec.contract.config import KVGroup, OffloadConfig
+    from kvspec.drivers.harness import run_ops
+
+    cfg = OffloadConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=8, world_size=1, groups=(KVGroup(),),
+                        policy="repair", async_scheduling=True)
+    ops = [{"op": "add", "rid": "r0", "family": 0, "prompt_len": 8, "max_tokens": 5},
+           {"op": "step", "admit": ["r0"], "chunk": 64}] + [{"op": "step", "admit": [], "chunk": 64}] * 6
+    oracle = claimed.claims(cfg).ids
+    out = run_ops(cfg, ops, lambda c: make_bug_target("final-step-lost", c), oracle)
+    assert out.kind == VIOLATION and out.violation is not None and out.violation.id == "C7", out.describe()
+    assert out.op_index is not None and ops[out.op_index]["op"] == "step", "found at the step that stopped r0"
+    assert not run_ops(cfg, ops, make_scheduler, oracle).failed
