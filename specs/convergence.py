@@ -158,7 +158,7 @@ def busy(enc: Encoding, s: State) -> list[z3.BoolRef]:
     return out
 
 
-def one_lands(enc: Encoding, s: State, post: State) -> list[z3.BoolRef]:
+def one_lands(enc: Unrolled, s: State, post: State) -> list[z3.BoolRef]:
     """Exactly one position of each group goes from in flight to cached (one store event of the
     focal request lands: the construction stores one position per event); the others keep their
     ``cached`` and ``infl``."""

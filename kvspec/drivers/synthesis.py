@@ -293,7 +293,9 @@ def verify(obligation: str, cex: dict[str, Any], syn: Synthesis) -> str | None:
     pre-state; after the failing operation and each later one, C1 reports exactly the model's
     post-state holes below the cursor and the signal-rescan flag is clear (so its completeness
     claim, a hole only while the flag is set, fails there); and C1 holds before the failing
-    operation exactly when the model's pre-state has no hole. O(trace length) engine operations."""
+    operation exactly when the model's pre-state has no hole. A convergence counterexample's
+    trace is checked on its pending set instead (``_verify_drop``). O(trace length) engine
+    operations."""
     goal = goal_of(obligation, cex)
     trace = loads(syn.trace(obligation).dumps())
     ops = trace.ops
@@ -385,7 +387,7 @@ def trace_file(directory: Path, obligation: str, policy: str) -> Path:
 
 
 def realise(res: Result, save: Path | None = None, block_size: int = BLOCK) -> None:
-    """For a found completeness counterexample (``kvspec prove``): synthesise its trace and
+    """For a found completeness or convergence counterexample (``kvspec prove``): synthesise its trace and
     ``verify`` it; the result's detail then names the trace's length and failing operation, and
     the trace is written under ``save`` when given. No trace, or one that does not verify, turns
     the result into ``no trace`` (a failure). The synthesis time is added to the result's. Other
