@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only obligations whose name contains TEXT or whose policy is TEXT "
                              "(no match: exit 2)")
     parser.add_argument("--traces", default=None, metavar="DIR",
-                        help="write the engine trace synthesised from each completeness or convergence counterexample to DIR "
-                             "(one .jsonl per obligation and policy, as kvspec replay reads it)")
+                        help="write the engine trace synthesised from each completeness or convergence "
+                             "counterexample to DIR (one .jsonl per obligation and policy, as kvspec replay reads it)")
     parser.add_argument("--list", action="store_true",
                         help="list the obligations (as a JSON list with --json) and exit")
 

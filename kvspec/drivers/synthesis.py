@@ -83,7 +83,7 @@ class Goal:
     conf: int
     n: int
     cur: int
-    status: tuple[str, ...]  # per position below the cursor: "I", "C" or "H"
+    status: tuple[str, ...]  # per position below the cursor: "I", "C", "H" or "L"
     step: str  # "evict", "plan" or "complete"
     evicted: tuple[int, ...]  # evict: positions whose copies the step evicts
     scheduled: bool  # plan: the request is scheduled in the failing step
@@ -94,7 +94,8 @@ class Goal:
 
     @property
     def first(self) -> tuple[int, ...]:
-        """The positions whose copies Q's flush must evict: the holes (plan) or the victims (evict)."""
+        """The positions whose copies Q's flush must evict: the holes, with or without a lost
+        record (plan, complete), or the victims (evict)."""
         if self.step == "evict":
             return self.evicted
         return tuple(p for p, s in enumerate(self.status) if s in ("H", "L"))
