@@ -29,7 +29,9 @@ Obligations (repair; ``Quant`` for every N, ``Unrolled`` with integer ranks for 
   pending set strictly shrinks; on the unrolled encoding ``rank' < rank`` or ``rank = 0``;
 * ``convergence:drop-E1|E2|E3`` — counterexamples: an eviction makes the rank grow; a round
   without room leaves a non-zero rank unchanged; without the round a non-zero rank can stay
-  forever (a stuttering environment step).
+  forever (a stuttering environment step). Each is asked for among the states an engine trace
+  reaches (``kvspec.specs.realizable``, ``DROP_STATUSES``), and ``kvspec.drivers.synthesis``
+  turns it into one.
 * ``witness:convergence`` — a run from registration reaches a non-zero rank (a lost record)
   and a round brings it to zero.
 """
@@ -42,9 +44,15 @@ from typing import Any
 import z3
 
 from kvspec.specs.encoding import Encoding, State, Unrolled
+from kvspec.specs.realizable import realizable
 from kvspec.specs.transitions import TRANSITIONS, Step, init, inv_for, plan_scan, repair_phase, transitions_for
 
 QUIESCENT_EXCLUDED = ("evict",)  # E1
+DROP_STATUSES = {"E1": ("I", "C"), "E2": ("I", "L"), "E3": ("I", "L")}
+"""Per dropped assumption, what a position below the cursor may be in its counterexample's
+pre-state (``realizable``): E1 evicts cached copies (no record yet); E2 and E3 start from lost
+records with every other position in flight (E2: so no CPU block is free and the repair phase
+has no room)."""
 
 
 def hole(enc: Encoding, s: State, g: int, p: Any) -> z3.BoolRef:
@@ -79,17 +87,17 @@ def empty(enc: Encoding, s: State) -> z3.BoolRef:
 
 
 Valid = Callable[[list[z3.BoolRef], z3.BoolRef, list[z3.BoolRef] | None], tuple[str, str]]
-Sat = Callable[[list[z3.BoolRef]], tuple[str, dict[str, Any]]]
 
 
-def _round(enc: Encoding, s: State, room: bool | None) -> tuple[State, list[z3.BoolRef], Step]:
-    """``plan ; repair-phase``; ``room`` fixes the repair phase's room (None: free)."""
+def _round(enc: Encoding, s: State, room: bool | None) -> tuple[State, list[z3.BoolRef], tuple[Step, Step]]:
+    """``plan ; repair-phase``: the post-state, the constraints, the two steps; ``room`` fixes
+    the repair phase's room (None: free)."""
     sc = plan_scan(enc, "repair", s)
     rp = repair_phase(enc, "repair", sc.post)
     cons = [*sc.constraints, *rp.constraints]
     if room is not None:
         cons.append(rp.inputs["room"] == z3.BoolVal(room))
-    return rp.post, cons, rp
+    return rp.post, cons, (sc, rp)
 
 
 def invariant(enc: Encoding, valid: Valid, hint: Callable[[Encoding, State], list[z3.BoolRef]]
@@ -150,24 +158,46 @@ def busy(enc: Encoding, s: State) -> list[z3.BoolRef]:
     return out
 
 
-def drop(assumption: str, enc: Unrolled, sat: Sat) -> tuple[str, str]:
-    """A counterexample to convergence once ``assumption`` is dropped: ``found`` or ``not found``."""
+def one_lands(enc: Unrolled, s: State, post: State) -> list[z3.BoolRef]:
+    """Exactly one position of each group goes from in flight to cached (one store event of the
+    focal request lands: the construction stores one position per event); the others keep their
+    ``cached`` and ``infl``."""
+    out: list[z3.BoolRef] = []
+    for g in range(enc.G):
+        landed = [z3.And(enc.v(post, g, "cached", i), z3.Not(enc.v(s, g, "cached", i))) for i in range(enc.M)]
+        out.append(z3.Sum([z3.If(x, 1, 0) for x in landed]) == 1)
+        out += [z3.And(z3.Implies(x, enc.v(s, g, "infl", i)),
+                       enc.v(post, g, "infl", i) == z3.And(enc.v(s, g, "infl", i), z3.Not(x)))
+                for i, x in enumerate(landed)]
+    return out
+
+
+def drop(assumption: str, enc: Unrolled) -> tuple[State, State, dict[str, z3.ExprRef], list[z3.BoolRef]]:
+    """The query whose model is a counterexample to convergence once ``assumption`` is dropped:
+    (pre-state, post-state, the step's inputs, the constraints), the pre-state inside the
+    realizable fragment with ``DROP_STATUSES[assumption]`` (the E3 step lands one of the focal
+    request's stores: ``one_lands``)."""
     s = enc.state("s")
+    statuses = DROP_STATUSES[assumption]
     if assumption == "E1":  # an eviction raises the rank
         st = TRANSITIONS["evict"][0](enc, "repair", s)
-        cons = [*st.constraints, rank(enc, st.post) > rank(enc, s)]
+        post, inputs = st.post, st.inputs
+        cons = [*st.constraints, rank(enc, st.post) > rank(enc, s), *realizable(enc, "repair", s, st, statuses)]
     elif assumption == "E2":  # a round without room leaves a non-zero rank where it was
-        post, rcons, _ = _round(enc, s, room=False)
-        cons = [*rcons, rank(enc, s) > 0, rank(enc, post) >= rank(enc, s)]
+        post, rcons, (sc, rp) = _round(enc, s, room=False)
+        inputs = {**sc.inputs, **rp.inputs}
+        cons = [*rcons, rank(enc, s) > 0, rank(enc, post) >= rank(enc, s),
+                *realizable(enc, "repair", s, sc, statuses)]
     elif assumption == "E3":  # no round: an environment step that keeps a non-zero pending set as it is
         st = TRANSITIONS["complete"][0](enc, "repair", s)
+        post, inputs = st.post, st.inputs
         same = z3.And([pending(enc, st.post, g, i) == pending(enc, s, g, i)
                        for g in range(enc.G) for i in range(enc.M)])
-        cons = [*st.constraints, rank(enc, s) > 0, same]
+        cons = [*st.constraints, rank(enc, s) > 0, same, *one_lands(enc, s, st.post),
+                *realizable(enc, "repair", s, st, statuses)]
     else:
         raise ValueError(assumption)
-    r, _ = sat([inv_conv(enc, s), *cons])
-    return ("found" if r == "sat" else "not found" if r == "unsat" else "unknown"), assumption
+    return s, post, inputs, [inv_conv(enc, s), *cons]
 
 
 def witness_run(enc: Unrolled, states: list[State], steps: list[Step]) -> list[z3.BoolRef]:

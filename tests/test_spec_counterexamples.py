@@ -8,6 +8,13 @@ model's holes (C1, with the signal-rescan flag clear), they stay, ``kvspec repla
 the recorded finding, and every operation of the trace is a run of the transitions (R1).
 Besides the obligations' own models, the solver is asked for several distinct ones per
 obligation (each blocked in turn), built at block sizes 2, 4 and 16.
+
+The convergence counterexamples of the repair policy (``convergence:drop-E1/E2/E3``: C4's ranking
+without one environment assumption) become traces the same way: each reaches the model's
+pre-state, its failing step leaves exactly the model's pending set (lost records and holes), grown
+by the eviction (E1), kept by a round without room and the steps after it (E2), or kept by a
+completion (E3); the repair policy's claims (C2, C4, ...) still hold on every operation, since
+each trace breaks an assumption C4 makes.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from kvspec.drivers.synthesis import Synthesis, base_name, expected_state, goal_
 from kvspec.drivers.trace import loads
 from kvspec.model import make_scheduler
 from kvspec.oracle.catalogue import check
+from kvspec.specs import convergence as cv
 from kvspec.specs import obligations as O
 from kvspec.specs.encoding import Encoding, Quant, State, Unrolled, reset_names
 from kvspec.specs.obligations import BOUND, COUNTEREXAMPLES, catalogue
@@ -236,3 +244,127 @@ def test_prove_fails_without_a_trace(monkeypatch: pytest.MonkeyPatch, capsys: py
     monkeypatch.setattr(synthesis, "synthesize", lambda name, cex, block: None)
     assert main(["prove", "-k", "completeness-c1:T2"]) == 1
     assert "no trace" in capsys.readouterr().out
+
+
+# -- convergence counterexamples (repair) -------------------------------------------------------
+
+DROPS = sorted(synthesis.DROPS)
+
+
+@pytest.fixture(scope="module")
+def dropped() -> dict[str, list[dict[str, Any]]]:
+    """Per convergence counterexample, the obligation's own model first, then VARIANTS - 1 more,
+    each asked for with the earlier ones blocked (pre-state and post-state as shown)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for ob in catalogue():
+        if ob.name in DROPS:
+            res = ob.run()
+            assert res.result == "found", f"{ob.name}: {res.result} {res.detail}"
+            out[ob.name] = [res.model]
+    for name in DROPS:
+        reset_names()
+        enc = Unrolled(1, BOUND)
+        pre, post, inputs, cons = cv.drop(name.removeprefix("convergence:drop-"), enc)
+        shown = [*O._shown_terms(enc, pre, POSITIONS).values(), *O._shown_terms(enc, post, POSITIONS).values()]
+        blocked: list[z3.BoolRef] = []
+        while len(out[name]) < VARIANTS:
+            r, sv = O._check([*cons, *blocked])
+            assert r == z3.sat, (name, len(out[name]))
+            m = sv.model()
+            vals = O._read_step(m, enc, pre, post, inputs)
+            if vals not in out[name]:
+                out[name].append(vals)
+            blocked.append(z3.Not(z3.And([x == m.eval(x, model_completion=True) for x in shown])))
+    return out
+
+
+def _lost(e: Engine) -> set[tuple[int, int]]:
+    return {(g, p) for r, g, p in e.snapshot()["scheduler"]["policy_state"]["lost"] if r == "R"}
+
+
+def _model_lost(cex: dict[str, Any], tag: str) -> set[tuple[int, int]]:
+    return {(0, p) for p, b in enumerate(cex[f"{tag}.lost0"]) if b}
+
+
+@pytest.mark.parametrize("name", DROPS)
+def test_convergence_counterexample_becomes_a_trace(dropped: dict[str, list[dict[str, Any]]], name: str) -> None:
+    """Checked here without ``verify``: the trace file reaches a state whose refinement map is the
+    model's pre-state, array by array; the failing step then leaves the engine's lost records
+    exactly at the model's post-state records: more of them after the eviction (E1), the same
+    after the round without room and every later step (E2) and after the completion (E3)."""
+    cex = dropped[name][0]
+    syn = _synth(name, cex)
+    trace = loads(syn.trace(name).dumps())
+    e = Engine(make_scheduler(trace.config))
+    for op in trace.ops[: syn.failing]:
+        e.apply(op)
+    state = abstract_snapshot(e.snapshot())["R"]
+    grp = state.groups[0]
+    assert state.active and state.conf == cex["pre.conf"] and (grp.n, grp.cur) == (cex["pre.N0"], cex["pre.cur0"])
+    for a in ("hashed", "owned", "cached", "cfree", "infl", "lost"):
+        assert list(grp.bits[a]) == cex[f"pre.{a}0"][: grp.n], a
+    before = _lost(e)
+    assert before == _model_lost(cex, "pre")
+    for op in trace.ops[syn.failing:]:
+        e.apply(op)
+        assert _lost(e) == _model_lost(cex, "post")
+    if name.endswith("E1"):
+        assert _lost(e) > before
+    else:
+        assert _lost(e) == before != set()
+    assert len(trace.ops) - syn.failing == (1 + synthesis.TAIL if name.endswith("E2") else 1)
+
+
+def test_varied_convergence_models_all_become_traces(dropped: dict[str, list[dict[str, Any]]]) -> None:
+    """VARIANTS distinct models per convergence counterexample, each built at block sizes 2 and 4
+    (and the obligation's own at 16), each verified; as for H3, a decoding request (an E2 round
+    in which the request is scheduled) is not built at block size 2."""
+    for name in DROPS:
+        assert len({str(sorted(m.items())) for m in dropped[name]}) == VARIANTS
+        for i, cex in enumerate(dropped[name]):
+            small = () if cex.get("scheduled") else (2,)
+            for block in (*small, BLOCK, *((16,) if i == 0 else ())):
+                assert verify(name, cex, _synth(name, cex, block)) is None, (name, i, block)
+
+
+@pytest.mark.parametrize("name", DROPS)
+def test_convergence_trace_keeps_the_repair_claims(dropped: dict[str, list[dict[str, Any]]], name: str,
+                                                   tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The repair policy's claims (its default oracle, C4 included) hold on every operation and the
+    refinement check admits each (R1); ``kvspec replay`` reports nothing. C4 promises convergence
+    only after a quiescent step with capacity for the working set; the E2 trace's steps are not
+    such steps (stores stay in flight), so C4 says nothing there while the records stay."""
+    cex = dropped[name][0]
+    syn = _synth(name, cex)
+    out = run_ops(syn.config, syn.ops, make_scheduler, refine=True)
+    assert not out.failed, out.describe()
+    path = tmp_path / "conv.jsonl"
+    syn.trace(name).write(path)
+    assert main(["replay", str(path)]) == 0
+    assert "no finding" in capsys.readouterr().out
+    if name.endswith("E2"):
+        e = Engine(make_scheduler(syn.config))
+        for op in syn.ops:
+            e.apply(op)
+        assert e.snapshot()["engine"]["converging_step"] is False and _lost(e)
+
+
+def test_verify_rejects_a_convergence_trace_for_another_model(dropped: dict[str, list[dict[str, Any]]]) -> None:
+    """A model whose post-state keeps the evicted copy (no new record) is refused, and so is a
+    trace read one operation early (the pre-state is after the eviction)."""
+    name = "convergence:drop-E1"
+    cex = dropped[name][0]
+    syn = _synth(name, cex)
+    unchanged = dict(cex, **{"post.lost0": cex["pre.lost0"], "post.cached0": cex["pre.cached0"],
+                             "post.cfree0": cex["pre.cfree0"]})
+    assert verify(name, unchanged, syn) is not None
+    assert verify(name, cex, replace(syn, failing=syn.failing - 1)) is not None
+    assert verify(name, cex, replace(syn, failing=syn.failing + 1)) is not None
+
+
+def test_prove_writes_the_convergence_traces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvspec prove --traces DIR`` writes a trace per convergence counterexample."""
+    assert main(["prove", "-k", "convergence:drop", "--traces", str(tmp_path / "t")]) == 0
+    assert capsys.readouterr().out.count("reach the pre-state, operation") == 3
+    assert sorted(f.name for f in (tmp_path / "t").glob("*.jsonl")) == [
+        "convergence_drop-E1-repair.jsonl", "convergence_drop-E2-repair.jsonl", "convergence_drop-E3-repair.jsonl"]

@@ -2,7 +2,8 @@
 
 Exit 0 only when every proof and bounded check holds, every expected counterexample is
 found (and each completeness counterexample becomes an engine trace that reaches its
-pre-state and reproduces its holes, ``kvspec.drivers.synthesis``) and every vacuity check
+pre-state and reproduces its holes, each convergence counterexample one that reaches its
+pre-state and leaves its pending set, ``kvspec.drivers.synthesis``) and every vacuity check
 passes; 1 otherwise; 2 for bad usage (``-k`` empty or matching no obligation, with or without
 ``--list``; a ``--traces`` directory that cannot be made). ``--list --json`` prints the list
 as JSON.
@@ -33,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only obligations whose name contains TEXT or whose policy is TEXT "
                              "(no match: exit 2)")
     parser.add_argument("--traces", default=None, metavar="DIR",
-                        help="write the engine trace synthesised from each completeness counterexample to DIR "
-                             "(one .jsonl per obligation and policy, as kvspec replay reads it)")
+                        help="write the engine trace synthesised from each completeness or convergence "
+                             "counterexample to DIR (one .jsonl per obligation and policy, as kvspec replay reads it)")
     parser.add_argument("--list", action="store_true",
                         help="list the obligations (as a JSON list with --json) and exit")
 

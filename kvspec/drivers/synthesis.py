@@ -1,13 +1,16 @@
 """Z3 counterexamples become engine traces that reach the solver's state.
 
 A completeness counterexample (``kvspec.specs.obligations.COUNTEREXAMPLES``) is an abstract
-pre-state of one request, one transition, and a post-state that breaks the property. The
-models are asked for inside ``kvspec.specs.realizable``'s fragment, which this module builds:
+pre-state of one request, one transition, and a post-state that breaks the property; a
+convergence counterexample (``DROPS``: ``convergence:drop-E1|E2|E3``, repair) is the same with
+a post-state whose pending set (lost records and holes) did not shrink as C4's ranking needs.
+The models are asked for inside ``kvspec.specs.realizable``'s fragment, which this module builds:
 
 * **Goal** (``goal_of``): the pre-state's cursor ``k``, confirmed count ``c``, length ``N`` and,
   per position below the cursor, its status (in flight ``I``, cached and free ``C``, hole
-  ``H``); the failing step (``evict``: which copies it evicts; ``plan``: whether the request is
-  scheduled); the holes the post-state leaves.
+  ``H``, repair: with a lost record ``L``); the failing step (``evict``: which copies it evicts;
+  ``plan``: whether the request is scheduled; ``complete``: which store lands); the holes the
+  post-state leaves.
 * **Construction**, synchronous scheduling (``async_scheduling=False``, like the hand-written
   stories), block size ``B`` chosen by the caller, ``G`` full-attention groups (the fragment's
   groups are twins), a CPU pool of exactly ``G * k`` usable blocks. Request R (family 1)
@@ -21,8 +24,11 @@ models are asked for inside ``kvspec.specs.realizable``'s fragment, which this m
   the head copies are evicted (for signal-rescan this sets the flag). For ``plan`` the
   pre-state is after the flush and the failing operation is a step (R idle: not scheduled, H1;
   R decoding: scheduled with no free CPU block, H3); for ``evict`` the pre-state is before the
-  flush and the flush is the failing operation (T2). Two more steps follow (the holes stay).
-  (``_complete``.)
+  flush and the flush is the failing operation (T2, drop-E1). For ``complete`` (drop-E3) the
+  pre-state is after the flush, as for ``plan``, and the failing operation reports the store
+  event of the position that lands. Where the failure persists (T2, H1, H3: the holes;
+  drop-E2: no room, nothing lands) two more steps follow; after drop-E1 and drop-E3 a step
+  would be a round, which the counterexample is not about. (``_complete``.)
 * **Search** (``synthesize``): R's prompt length (``k * B`` to ``(c + 1) * B``), idle or
   decoding, and for a decoding R the number of extra steps before Q's admission decide ``N``
   and ``c``. Each prompt's prefix is run once; a decoding R's is copied after each extra step
@@ -49,6 +55,7 @@ from kvspec.drivers.engine import Engine
 from kvspec.drivers.trace import Trace, loads
 from kvspec.model import make_scheduler
 from kvspec.oracle.catalogue import check
+from kvspec.specs.convergence import DROP_STATUSES
 from kvspec.specs.obligations import COUNTEREXAMPLES, SHOWN, Result
 from kvspec.specs.realizable import POSITIONS
 from kvspec.specs.refinement import abstract_snapshot
@@ -59,6 +66,8 @@ GPU_BLOCKS = 96
 DECODE_TOKENS = 64  # max_tokens of a decoding focal request (never reached here)
 TAIL = 2  # steps after the failing operation
 SETTLE_STEPS = 8  # an idle request stops computing within two steps
+DROPS = {f"convergence:drop-{a}": step for a, step in zip(DROP_STATUSES, ("evict", "plan", "complete"), strict=True)}
+"""The convergence counterexamples (repair) by obligation name, with their failing step."""
 
 
 def base_name(obligation: str) -> str:
@@ -74,19 +83,22 @@ class Goal:
     conf: int
     n: int
     cur: int
-    status: tuple[str, ...]  # per position below the cursor: "I", "C" or "H"
-    step: str  # "evict" or "plan"
+    status: tuple[str, ...]  # per position below the cursor: "I", "C", "H" or "L"
+    step: str  # "evict", "plan" or "complete"
     evicted: tuple[int, ...]  # evict: positions whose copies the step evicts
     scheduled: bool  # plan: the request is scheduled in the failing step
     holes_after: tuple[tuple[int, int], ...]  # (group, position) owned, hashed, below the cursor, uncovered
     groups: int = 1  # twins: every group as group 0
+    landed: int = -1  # complete: the position whose store lands
+    tail: int = TAIL  # steps after the failing operation
 
     @property
     def first(self) -> tuple[int, ...]:
-        """The positions whose copies Q's flush must evict: the holes (plan) or the victims (evict)."""
+        """The positions whose copies Q's flush must evict: the holes, with or without a lost
+        record (plan, complete), or the victims (evict)."""
         if self.step == "evict":
             return self.evicted
-        return tuple(p for p, s in enumerate(self.status) if s == "H")
+        return tuple(p for p, s in enumerate(self.status) if s in ("H", "L"))
 
 
 def goal_of(obligation: str, cex: dict[str, Any]) -> Goal:
@@ -97,32 +109,50 @@ def goal_of(obligation: str, cex: dict[str, Any]) -> Goal:
     def bit(tag: str, a: str, p: int, g: int = 0) -> bool:
         return bool(cex[f"{tag}.{a}{g}"][p])
 
-    status = tuple("I" if bit("pre", "infl", p) else "C" if bit("pre", "cached", p) else "H" for p in range(k))
+    status = tuple("I" if bit("pre", "infl", p) else "C" if bit("pre", "cached", p)
+                   else "L" if bit("pre", "lost", p) else "H" for p in range(k))
     holes = tuple((g, p) for g in range(groups) for p in range(cex[f"pre.cur{g}"])
                   if bit("post", "owned", p, g) and bit("post", "hashed", p, g)
                   and not bit("post", "cached", p, g) and not bit("post", "infl", p, g))
-    evict = name.endswith("T2")
-    return Goal(COUNTEREXAMPLES[name].policy, cex["pre.conf"], cex["pre.N0"], k, status, "evict" if evict else "plan",
-                tuple(p for p in range(k) if bit("pre", "cached", p) and not bit("post", "cached", p)),
-                bool(cex.get("scheduled", False)), holes, groups)
+    step = DROPS.get(name, "evict" if name.endswith("T2") else "plan")
+    landed = [p for p in range(k) if not bit("pre", "cached", p) and bit("post", "cached", p)]
+    return Goal(COUNTEREXAMPLES[name].policy if name in COUNTEREXAMPLES else "repair", cex["pre.conf"], cex["pre.N0"],
+                k, status, step, tuple(p for p in range(k) if bit("pre", "cached", p) and not bit("post", "cached", p)),
+                bool(cex.get("scheduled", False)), holes, groups, landed[0] if step == "complete" else -1,
+                TAIL if name not in DROPS or step == "plan" else 0)
 
 
 def _groups(cex: dict[str, Any]) -> int:
     return sum(1 for key in cex if key.startswith("pre.N"))
 
 
-def expected_state(cex: dict[str, Any]) -> dict[str, Any]:
-    """The model's pre-state as ``AbstractRequest.render()`` shows one: what the reached engine
-    state must map to. The owner index (``reg``) is a ghost the snapshot does not show; retained
-    copies (``kept``, repair's) are absent from the fragment and from non-repair models."""
+def expected_state(cex: dict[str, Any], tag: str = "pre") -> dict[str, Any]:
+    """The model's pre-state (``tag`` "post": its post-state) as ``AbstractRequest.render()``
+    shows one: what the reached engine state must map to. The owner index (``reg``) is a ghost
+    the snapshot does not show; retained copies (``kept``, repair's) are absent from the fragment
+    and from non-repair models."""
     def group(g: int) -> dict[str, Any]:
-        n = cex[f"pre.N{g}"]
-        arrays = {a: "".join("1" if b else "0" for b in cex[f"pre.{a}{g}"][:n]) for a in SHOWN}
-        kept = "".join("1" if b else "0" for b in cex.get(f"pre.kept{g}", [False] * n)[:n])
-        return {"N": n, "cur": cex[f"pre.cur{g}"], **arrays, "reg": "?" * n, "kept": kept}
+        n = cex[f"{tag}.N{g}"]
+        arrays = {a: "".join("1" if b else "0" for b in cex[f"{tag}.{a}{g}"][:n]) for a in SHOWN}
+        kept = "".join("1" if b else "0" for b in cex.get(f"{tag}.kept{g}", [False] * n)[:n])
+        return {"N": n, "cur": cex[f"{tag}.cur{g}"], **arrays, "reg": "?" * n, "kept": kept}
 
-    return {"active": True, "conf": cex["pre.conf"], "flag": cex["pre.flag"],
+    return {"active": True, "conf": cex[f"{tag}.conf"], "flag": cex[f"{tag}.flag"],
             "groups": [group(g) for g in range(_groups(cex))]}
+
+
+def pending_set(state: dict[str, Any]) -> tuple[tuple[str, int, int], ...]:
+    """C4's measure in a rendered state (``AbstractRequest.render()``, ``expected_state``): its
+    lost records ``("lost", group, position)`` and holes ``("hole", group, position)`` (owned,
+    hashed, below the cursor, neither cached nor in flight), as ``convergence.rank`` counts them."""
+    if not state["active"]:
+        return ()
+    out = []
+    for g, grp in enumerate(state["groups"]):
+        out += [("lost", g, p) for p, b in enumerate(grp["lost"]) if b == "1"]
+        out += [("hole", g, p) for p in range(grp["cur"]) if grp["owned"][p] == grp["hashed"][p] == "1"
+                and grp["cached"][p] == grp["infl"][p] == "0"]
+    return tuple(sorted(out))
 
 
 @dataclass(frozen=True)
@@ -134,12 +164,16 @@ class Synthesis:
     failing: int
 
     def trace(self, obligation: str) -> Trace:
-        """The trace as ``kvspec replay`` reads it, with the first C1 finding recorded."""
+        """The trace as ``kvspec replay`` reads it, with the first C1 finding recorded; a
+        convergence trace records none under C2 and C4 (its failing step breaks an assumption C4
+        makes: no eviction of the working set, room for the repair, or a step at all)."""
+        note = (f"synthesised from the Z3 counterexample {obligation}: operations 0..{self.failing - 1} "
+                f"reach its pre-state of request {FOCAL}, operation {self.failing} is its failing step")
+        if base_name(obligation) in DROPS:
+            return Trace(self.config, list(self.ops), note=note, oracle=("C2", "C4"))
         first = first_c1(self.config, self.ops)
         finding = None if first is None else {"kind": "violation", "op_index": first, "invariant": "C1",
                                               "exception": None}
-        note = (f"synthesised from the Z3 counterexample {obligation}: operations 0..{self.failing - 1} "
-                f"reach its pre-state of request {FOCAL}, operation {self.failing} is its failing step")
         return Trace(self.config, list(self.ops), note=note, oracle=("C1",), finding=finding)
 
 
@@ -238,11 +272,19 @@ def _complete(rec: _Recorder, goal: Goal, B: int) -> Synthesis | None:
         return None
     for e in order:
         rec.apply(op="report", event=e)
-    if goal.step == "plan":
+    if goal.step != "evict":
         rec.apply(op="finish", rid=EVICTOR)
     failing = len(rec.ops)
-    ops = [*rec.ops, {"op": "finish", "rid": EVICTOR} if goal.step == "evict" else {"op": "step", "chunk": B}]
-    return Synthesis(rec.engine.config, ops + [{"op": "step", "chunk": B}] * TAIL, failing)
+    if goal.step == "complete":
+        position = {b: p for t in rec.engine.requests[FOCAL].table for p, b in enumerate(t)}
+        events = [e for e, (gpu, _) in rec.engine.store_transfers.items()
+                  if {position.get(b) for b in gpu} == {goal.landed}]
+        if len(events) != 1:
+            return None
+        last: dict[str, Any] = {"op": "report", "event": events[0]}
+    else:
+        last = {"op": "finish", "rid": EVICTOR} if goal.step == "evict" else {"op": "step", "chunk": B}
+    return Synthesis(rec.engine.config, [*rec.ops, last] + [{"op": "step", "chunk": B}] * goal.tail, failing)
 
 
 def verify(obligation: str, cex: dict[str, Any], syn: Synthesis) -> str | None:
@@ -252,7 +294,9 @@ def verify(obligation: str, cex: dict[str, Any], syn: Synthesis) -> str | None:
     pre-state; after the failing operation and each later one, C1 reports exactly the model's
     post-state holes below the cursor and the signal-rescan flag is clear (so its completeness
     claim, a hole only while the flag is set, fails there); and C1 holds before the failing
-    operation exactly when the model's pre-state has no hole. O(trace length) engine operations."""
+    operation exactly when the model's pre-state has no hole. A convergence counterexample's
+    trace is checked on its pending set instead (``_verify_drop``). O(trace length) engine
+    operations."""
     goal = goal_of(obligation, cex)
     trace = loads(syn.trace(obligation).dumps())
     ops = trace.ops
@@ -263,6 +307,8 @@ def verify(obligation: str, cex: dict[str, Any], syn: Synthesis) -> str | None:
     want = expected_state(cex)
     if state is None or state.render() != want:
         return f"pre-state {None if state is None else state.render()} != the model's {want}"
+    if base_name(obligation) in DROPS:
+        return _verify_drop(base_name(obligation), cex, e, ops[syn.failing:], syn.failing)
     if bool(c1_positions(e.snapshot())) != ("H" in goal.status):
         return f"C1 before the failing operation: {c1_positions(e.snapshot())}, the model's holes {goal.status}"
     for i, op in enumerate(ops[syn.failing:], syn.failing):
@@ -272,6 +318,25 @@ def verify(obligation: str, cex: dict[str, Any], syn: Synthesis) -> str | None:
             return f"operation {i}: C1 at {c1_positions(snap)}, the model's holes {goal.holes_after}"
         if snap["scheduler"]["policy_state"].get("eviction_flag", False):
             return f"operation {i}: the eviction flag is still set"
+    return None
+
+
+def _verify_drop(name: str, cex: dict[str, Any], e: Engine, rest: list[dict[str, Any]], failing: int) -> str | None:
+    """``verify`` for a convergence counterexample, from the pre-state on: after the failing
+    operation and each later one the focal request's pending set (``pending_set``) is the
+    model's post-state's, non-empty, and it did what the counterexample says: drop-E1 grew it,
+    drop-E2 and drop-E3 left it as it was."""
+    before = pending_set(expected_state(cex))
+    after = pending_set(expected_state(cex, "post"))
+    grows = name.endswith("E1")
+    if not after or (len(after) <= len(before) if grows else after != before):
+        return f"the model's pending sets {before} -> {after} are not a {name} counterexample"
+    for i, op in enumerate(rest, failing):
+        e.apply(op)
+        state = abstract_snapshot(e.snapshot()).get(FOCAL)
+        got = () if state is None else pending_set(state.render())
+        if got != after:
+            return f"operation {i}: pending {got}, the model's {after}"
     return None
 
 
@@ -323,12 +388,12 @@ def trace_file(directory: Path, obligation: str, policy: str) -> Path:
 
 
 def realise(res: Result, save: Path | None = None, block_size: int = BLOCK) -> None:
-    """For a found completeness counterexample (``kvspec prove``): synthesise its trace and
+    """For a found completeness or convergence counterexample (``kvspec prove``): synthesise its trace and
     ``verify`` it; the result's detail then names the trace's length and failing operation, and
     the trace is written under ``save`` when given. No trace, or one that does not verify, turns
     the result into ``no trace`` (a failure). The synthesis time is added to the result's. Other
     results are left as they are."""
-    if res.kind != "counterexample" or res.result != "found" or base_name(res.name) not in COUNTEREXAMPLES:
+    if res.kind != "counterexample" or res.result != "found" or base_name(res.name) not in (*COUNTEREXAMPLES, *DROPS):
         return
     t0 = time.perf_counter()
     syn = synthesize(res.name, res.model, block_size)
