@@ -1,12 +1,15 @@
 """Planning cost per step of vLLM 0.33.0, vLLM + pr47235 (and vLLM + repair once built), measured
 in vLLM's own code, with a constant number of CPU evictions per step.
 
-    .venv/bin/python scripts/bench_vllm_patched.py [--sizes 1000,10000,100000,1000000] [--evict 8]
+    .venv/bin/python scripts/bench_vllm_patched.py [--sizes 1000,10000,100000,1000000] [--evict 8] [--runs 5]
 
 Runs one worker process per venv that exists (``.vllm-venv``, ``.vllm-pr47235-venv``,
-``.vllm-repair-venv``) and prints, per number of stored blocks, the median wall time of
-``SimpleCPUOffloadScheduler.build_connector_meta`` per step and the ratios to unpatched vLLM,
-in one table (``--json`` for one JSON object).
+``.vllm-repair-venv``) and size, ``--runs`` times over (each run measures every venv at every
+size, one after the other). Each worker gives the median wall time of
+``SimpleCPUOffloadScheduler.build_connector_meta`` over its steps; each run gives the ratios to
+unpatched vLLM of that run. The table prints, per number of stored blocks, the median over the
+runs of each time and of each ratio, and the smallest and largest ratio (``--json`` for one JSON
+object with every run).
 
 The workload (same in every venv): ``R`` decoding requests hold ``N`` stored blocks in all
 (their cursors at the end, every block cached on a full CPU pool), each scheduled for one
@@ -120,6 +123,7 @@ def main() -> int:
     ap.add_argument("--sizes", default="1000,10000,100000,1000000")
     ap.add_argument("--evict", type=int, default=8, help="CPU evictions per step (0: none)")
     ap.add_argument("--steps", type=int, default=9, help="timed steps per size (the median is reported)")
+    ap.add_argument("--runs", type=int, default=1, help="runs of every venv at every size (medians over them)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -127,25 +131,25 @@ def main() -> int:
         print(json.dumps(_worker(args.worker, args.evict, args.steps)))
         return 0
     targets = [t for t, d in VENVS.items() if (ROOT / d / "bin" / "python").exists()]
-    rows = []
-    for n in (int(s) for s in args.sizes.split(",")):
-        row: dict[str, Any] = {"stored": n}
-        for t in targets:
-            row[t] = _run(VENVS[t], n, args.evict, args.steps)
-        rows.append(row)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    runs = [{n: {t: _run(VENVS[t], n, args.evict, args.steps) for t in targets} for n in sizes}
+            for _ in range(args.runs)]
     if args.json:
-        print(json.dumps({"evictions_per_step": args.evict, "targets": targets, "rows": rows}))
+        print(json.dumps({"evictions_per_step": args.evict, "targets": targets, "runs": runs}))
         return 0
+    print(f"planning per step: median over {args.runs} run(s) of the median of {args.steps} steps; "
+          f"{args.evict} CPU evictions per step, {REQUESTS} decoding requests; ratios [min-max over runs]")
     head = f"{'stored blocks':>14} | " + " | ".join(f"{t + ' ms/step':>22}" for t in targets)
-    head += " | " + " | ".join(f"{t + ' / vllm':>20}" for t in targets[1:])
-    print(f"planning per step, median of {args.steps} steps, {args.evict} CPU evictions per step, "
-          f"{REQUESTS} decoding requests")
-    print(head)
-    for row in rows:
-        base = row["vllm"]["median_s"]
-        cells = [f"{row[t]['median_s'] * 1e3:>14.3f} ({row[t]['copies_per_step']:>4.0f} cp)" for t in targets]
-        ratios = [f"{row[t]['median_s'] / base:>20.2f}" for t in targets[1:]]
-        print(f"{row['stored']:>14} | " + " | ".join(cells) + (" | " + " | ".join(ratios) if ratios else ""))
+    print(head + "".join(f" | {t + ' / vllm':>26}" for t in targets[1:]))
+    for n in sizes:
+        per_run = [run[n] for run in runs]
+        cells = [f"{statistics.median(r[t]['median_s'] for r in per_run) * 1e3:>14.3f} "
+                 f"({statistics.median(r[t]['copies_per_step'] for r in per_run):>4.0f} cp)" for t in targets]
+        ratios = []
+        for t in targets[1:]:
+            rs = [r[t]["median_s"] / r["vllm"]["median_s"] for r in per_run]
+            ratios.append(f"{statistics.median(rs):>10.2f} [{min(rs):.2f}-{max(rs):.2f}]".rjust(26))
+        print(f"{per_run[0]['vllm']['stored']:>14} | " + " | ".join(cells) + "".join(f" | {c}" for c in ratios))
     return 0
 
 

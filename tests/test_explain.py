@@ -78,6 +78,20 @@ def test_vllm_fixme_is_told_in_the_engine_terms() -> None:
     assert next(r for r in completed.requests if r.rid == "r3").lanes[0].cells[1] == CPU
 
 
+def test_a_prefix_hit_on_blocks_hashed_in_the_same_step_is_told() -> None:
+    """recover-referenced, operation 4: r1 (running, 15 of 32 tokens computed before the step, so no
+    block of it was hashed yet) is scheduled first and fills both its blocks; r3, admitted after it
+    in the same step, gets a GPU prefix hit on them (r3's cursor moves to 2: the store was planned
+    with its 32 hit tokens computed). In the 16-token sliding-window group the hit's p0 is null."""
+    step = narrated("recover-referenced").stories[4]
+    assert "r3 admitted (GPU prefix hit of 32 tokens: g0 p0-p1, g1 p1; g1 p0 null, out of the window)" \
+        in step.events
+    assert "r2 admitted (no GPU prefix hit)" in step.events  # another family: a fresh table
+    r1, r3 = (next(r for r in step.requests if r.rid == rid) for rid in ("r1", "r3"))
+    assert r3.lanes[0].blocks[:2] == r1.lanes[0].blocks and r3.lanes[1].blocks[1] == r1.lanes[1].blocks[1]
+    assert "r3 cursor: g0 0 -> 2, g1 0 -> 2" in step.events
+
+
 def test_a_cpu_block_finding_names_the_pins_and_transfers() -> None:
     """I4 (pin-leak): the block's listings are what its ref count should equal."""
     f = narrated("pin-leak").stories[-1].finding

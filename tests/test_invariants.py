@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from scenario_kit import SYNC
 
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.drivers.engine import Engine
+from kvspec.drivers.harness import Outcome
 from kvspec.model import make_scheduler
 from kvspec.oracle.catalogue import CATALOGUE, Violation, check
 
@@ -415,3 +417,27 @@ def test_c3_fires_on_each_observed_fact(mutate: Mutator, good_snapshots: dict[st
     bad = copy.deepcopy(good)
     mutate(bad)
     assert [v.id for v in check(bad, ["C3"])] == ["C3"]
+
+
+def test_finish_flush_keys_follow_the_window_on_confirmed_tokens() -> None:
+    """The keys a finish flush must cover (C7, C8) leave out the positions below the sliding window
+    counted on the confirmed tokens, as ownership does. In this trace (found by a 10-minute
+    campaign on vllm+repair) r0 finishes with 95 computed tokens, 2 of them placeholders: with a
+    32-token window its g1 p3 is still inside the window of its 93 confirmed tokens, so repair
+    owns it and keeps its cached entry. The flush runs out of space, and that entry is the one
+    CPU block left free: the flush's own key, so C7 holds. A floor on the 95 computed tokens left
+    p3 out of the keys and C7 fired."""
+    from kvspec.adapters.targets import get_factory
+    from kvspec.drivers import trace as trace_io
+    from kvspec.drivers.harness import start_run
+
+    tr = trace_io.read(Path(__file__).parent / "traces" / "oracle" / "c7-flush-window-on-confirmed-tokens.jsonl")
+    run = start_run(tr.config, get_factory("model"), tr.oracle)
+    assert not isinstance(run, Outcome)
+    for op in tr.ops:
+        found = run.apply(op)
+        assert found is None, found.describe()
+    fin = run.engine.last_finish
+    assert fin is not None and fin["rid"] == "r0"
+    assert fin["keys"] == ["00878bdfb6f388a4:0", "d141be77d493a010:1", "00878bdfb6f388a4:1"]
+    assert fin["cpu_free_after"] == 1 and "d141be77d493a010:1" in run.engine.snapshot()["cpu_pool"]["cached"]

@@ -644,15 +644,16 @@ class Engine:
     def _flush_expectation(self, r: EngineRequest, table: tuple[list[int], ...], st: dict[str, Any] | None
                            ) -> list[str]:
         """Keys the finish flush must cover: owned, hashed, confirmed positions at or after the cursor
-        (a sliding-window position that left the window is not owned, even while a batch in flight
-        keeps its block in the table). ``st``: the request's store state in the target's snapshot
-        before the finish."""
+        (a sliding-window position below the window of the confirmed tokens is not owned, even while
+        a batch in flight keeps its block in the table). ``st``: the request's store state in the
+        target's snapshot before the finish."""
         if st is None or st["finished"]:
             return []
-        confirmed = (r.num_computed_tokens - r.num_output_placeholders) // self.B
+        confirmed_tokens = r.num_computed_tokens - r.num_output_placeholders
+        confirmed = confirmed_tokens // self.B
         keys = []
         for g, ids in enumerate(table):
-            start = max(st["num_stored_blocks"][g], self._skipped(g, r.num_computed_tokens))
+            start = max(st["num_stored_blocks"][g], self._skipped(g, confirmed_tokens))
             for p in range(start, min(confirmed, len(ids), len(r.block_hashes))):
                 b = ids[p]
                 if b != NULL_BLOCK and self.gpu.block_hash[b] == (r.block_hashes[p], g):

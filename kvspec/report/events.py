@@ -103,7 +103,7 @@ def _step(op: dict[str, Any], before: Observed, after: Observed) -> list[str]:
     for rid in op.get("preempt", []):
         lines.append(f"{rid} preempted: its GPU blocks are freed and its computed tokens reset to 0")
     for rid in op.get("admit", []):
-        lines.append(_admission(rid, before, after))
+        lines.append(_admission(rid, op, before, after))
     lines += _tokens(before, after)
     lines += _window_frees(before, after)
     lines += _stops(before, after)
@@ -137,26 +137,52 @@ def _deferred(before: Observed, after: Observed) -> list[str]:
     return lines
 
 
-def _admission(rid: str, before: Observed, after: Observed) -> str:
-    """How ``rid`` was admitted: its status, and the GPU prefix hit (positions whose block was
-    already hashed with their key before the step)."""
+def _admission(rid: str, op: dict[str, Any], before: Observed, after: Observed) -> str:
+    """How ``rid`` was admitted: its status, and its GPU prefix hit (``_hit_positions``)."""
     r = after.requests.get(rid)
     if r is None or r["status"] in WAITING_STATES:
         status = r["status"] if r is not None else "unknown"
         return (f"{rid} not admitted this step (the GPU pool was short for it or for an admission listed "
                 f"before it): still {status}")
-    gpu_hash = before.snap["gpu_pool"]["block_hash"]
-    hits = []
-    for g, table in enumerate(r["table"]):
-        n = 0
-        while (n < len(table) and n < len(r["block_hashes"]) and table[n] != 0
-               and gpu_hash[table[n]] == f"{r['block_hashes'][n]}:{g}"):
-            n += 1
-        if n:
-            hits.append(f"g{g} {span(0, n - 1)}")
-    where = f"GPU prefix hit {', '.join(hits)}" if hits else "no GPU prefix hit"
+    earlier = [q for q, old in before.requests.items() if old["status"] == "running"]
+    earlier += op["admit"][:op["admit"].index(rid)]
+    hits = [(g, _hit_positions(rid, g, earlier, before, after)) for g in range(len(r["table"]))]
+    hits = [(g, where) for g, where in hits if where]
+    if not hits:
+        where = "no GPU prefix hit"
+    else:
+        size = after.snap["engine"]["config"]["block_size"]
+        tokens = max(where[-1] + 1 for _, where in hits) * size
+        spans = [f"g{g} {span(where[0], where[-1])}" for g, where in hits]
+        nulls = [f"g{g} {span(0, where[0] - 1)}" for g, where in hits if where[0] > 0]
+        where = f"GPU prefix hit of {count(tokens, 'token')}: {', '.join(spans)}"
+        if nulls:
+            where += f"; {', '.join(nulls)} null, out of the window"
     waits = "; it waits for its CPU load" if r["status"] == "waiting_for_remote_kvs" else ""
     return f"{rid} admitted ({where}){waits}"
+
+
+def _hit_positions(rid: str, g: int, earlier: list[str], before: Observed, after: Observed) -> list[int]:
+    """The positions of group ``g`` that ``rid``'s GPU prefix hit gave it: its table's leading run of
+    blocks carrying their position's key that were cached before the step, or that a request
+    scheduled before ``rid`` in the step (``earlier``: the running ones, then the admissions listed
+    before it) holds at the same position (hashed in this very step: only a hit shares a block),
+    after the null positions a sliding window leaves at the start. O(positions x earlier)."""
+    r = after.requests[rid]
+    table, keys = r["table"][g], [f"{h}:{g}" for h in r["block_hashes"]]
+    cached_before, cached_after = before.snap["gpu_pool"]["block_hash"], after.snap["gpu_pool"]["block_hash"]
+    hits: list[int] = []
+    for p, b in enumerate(table[:len(keys)]):
+        if b == 0:
+            if hits:
+                break
+            continue
+        shared = any(p < len(t) and t[p] == b for q in earlier if q in after.requests
+                     for t in [after.requests[q]["table"][g]])
+        if not (cached_before[b] == keys[p] or (shared and cached_after[b] == keys[p])):
+            break
+        hits.append(p)
+    return hits
 
 
 def _tokens(before: Observed, after: Observed) -> list[str]:
