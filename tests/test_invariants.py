@@ -441,3 +441,30 @@ def test_finish_flush_keys_follow_the_window_on_confirmed_tokens() -> None:
     assert fin["rid"] == "r0"
     assert fin["keys"] == ["00878bdfb6f388a4:0", "d141be77d493a010:1", "00878bdfb6f388a4:1"]
     assert fin["out_of_space"] and "d141be77d493a010:1" in run.engine.snapshot()["cpu_pool"]["cached"]
+
+
+def test_a_finish_flush_is_confirmed_when_it_was_queued() -> None:
+    """I10 asks that a stored block was confirmed when its store was planned; a finish flush is
+    planned when the request finishes and sent at the next build. In this trace (found by fuzzing
+    unpatched vLLM 0.33.0 at the manager level; the baseline model does the same) r12 finishes
+    holding block 7 at a confirmed position (a GPU prefix hit, then a CPU load); at the next step
+    the flush becomes store event 5 while r13, whose prompt fills that block, holds it one token
+    short of confirmed. Judged at the build alone, I10 fired on a store of computed data."""
+    from kvspec.adapters.targets import get_factory
+    from kvspec.drivers import trace as trace_io
+    from kvspec.drivers.harness import start_run
+
+    tr = trace_io.read(Path(__file__).parent / "traces" / "oracle" / "i10-finish-flush-confirmed-when-queued.jsonl")
+    assert tr.finding is not None and tr.finding["invariant"] == "I10"  # what the old rule reported
+    run = start_run(tr.config, get_factory("model"), tr.oracle)
+    assert not isinstance(run, Outcome)
+    for op in tr.ops[:-1]:
+        found = run.apply(op)
+        assert found is None, found.describe()
+    r13 = run.engine.snapshot()["engine"]["requests"]["r13"]  # before the step that plans the flush
+    assert r13["table"][0][0] == 7 and r13["num_computed_tokens"] - r13["num_output_placeholders"] < 16
+    found = run.apply(tr.ops[-1])
+    assert found is None, found.describe()
+    snap = run.engine.snapshot()
+    assert snap["scheduler"]["store_events"]["5"]["gpu"] == [7]
+    assert snap["engine"]["store_selection_confirmed"]["5"] == [True]

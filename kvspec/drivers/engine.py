@@ -330,6 +330,9 @@ class Engine:
         self.store_transfers: dict[int, tuple[list[int], list[int]]] = {}
         self.store_payload: dict[int, list[BlockHash | None]] = {}
         self.store_selection_confirmed: dict[int, list[bool]] = {}
+        # blocks a request finished since the last planning held at confirmed positions, with their key
+        # then: what its finish flush (planned at the next build) copies was confirmed when queued
+        self.finished_confirmed: dict[int, tuple[Any, int] | None] = {}
         self.reports_left: dict[int, int] = {}
         self.loads_shipped: dict[str, int] = {}
         self.preempted_since_step: set[str] = set()
@@ -610,6 +613,9 @@ class Engine:
         (an abort, which is an operation of its own): also as the operation's plan (C3, C5, C6)."""
         rid = r.request_id
         self._remove_skipped_blocks(r)
+        ready = (r.num_computed_tokens - r.num_output_placeholders) // self.B
+        self.finished_confirmed.update((b, self.gpu.block_hash[b]) for t in r.table for b in t[:ready]
+                                       if b != NULL_BLOCK)
         clipped = tuple(list(t[: -(-r.num_computed_tokens // self.B)]) for t in r.table)
         plan, flush = plan and "last_plan" in self.observe, "finishes" in self.observe
         pre = self.snapshot() if plan or flush else None
@@ -1012,6 +1018,7 @@ class Engine:
             self.store_transfers[e] = (list(meta.store_gpu_blocks), list(meta.store_cpu_blocks))
             self.store_selection_confirmed[e] = self._confirmed_at_planning(meta.store_gpu_blocks)
             self.reports_left[e] = self.config.world_size
+        self.finished_confirmed.clear()
         if meta.load_event >= 0:
             for g, c in zip(meta.load_gpu_blocks, meta.load_cpu_blocks, strict=True):
                 self.gpu_data[g] = self.cpu_data[c]
@@ -1021,8 +1028,10 @@ class Engine:
     def _confirmed_at_planning(self, gpu_ids: list[int]) -> list[bool]:
         """Per block: held by some request at a confirmed position (computed in an earlier step or
         a prefix hit; a finished request's blocks whose free waits for a batch in flight count with
-        the positions it had confirmed), or held by no request and already holding its key's data
-        (a free cached block, or a finish flush's pinned block)."""
+        the positions it had confirmed, and so do, under the same key, the blocks a request
+        finished since the last planning held confirmed: its finish flush, planned now, was queued
+        then, even if another request holds the block unconfirmed now), or held by no request and
+        already holding its key's data (a free cached block, or a finish flush's pinned block)."""
         confirmed: set[int] = set()
         held: set[int] = set()
         for r in self.live.values():
@@ -1036,7 +1045,9 @@ class Engine:
         out = []
         for g in gpu_ids:
             key = self.gpu.block_hash[g]
-            out.append(g in confirmed or (g not in held and key is not None and self.gpu_data[g] == key[0]))
+            flushed = key is not None and self.finished_confirmed.get(g) == key
+            out.append(g in confirmed or flushed
+                       or (g not in held and key is not None and self.gpu_data[g] == key[0]))
         return out
 
     def _forward(self, scheduled: dict[str, int], meta: ConnectorMetadata) -> None:
