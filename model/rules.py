@@ -50,9 +50,9 @@ def window_floor(computed: int, placeholders: int, window: int, block_size: int)
     """Leading positions of a sliding-window group that have left the window for good: those
     whose tokens all precede the last ``window`` *confirmed* tokens, ``computed`` minus output
     ``placeholders`` (vLLM ``remove_skipped_blocks``: the block of token ``confirmed - window``
-    and those before it are never read again). Placeholders count because speculative drafts
-    among them may be rejected, which lowers the computed tokens and brings positions back into
-    the window; the confirmed tokens never go down while the request runs. O(1).
+    and those before it are never read again). Placeholders are left out because speculative
+    drafts among them may be rejected, which lowers the computed tokens and brings positions back
+    into the window; the confirmed tokens never go down while the request runs. O(1).
 
     pre: block_size >= 1
     pre: window >= 1

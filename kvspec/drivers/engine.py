@@ -77,7 +77,7 @@ from kvspec.contract.types import (
     SchedulerOutput,
 )
 from kvspec.model.block_pool import NULL_BLOCK
-from kvspec.model.hashing import ROOT_HASH, BlockHash, block_hashes, chain_hash
+from kvspec.model.hashing import ROOT_HASH, BlockHash, BlockKey, block_hashes, chain_hash
 from kvspec.model.hit_search import find_longest_cache_hit
 from kvspec.model.rules import window_floor
 from kvspec.oracle.catalogue import observe_finish, observe_plan
@@ -330,9 +330,9 @@ class Engine:
         self.store_transfers: dict[int, tuple[list[int], list[int]]] = {}
         self.store_payload: dict[int, list[BlockHash | None]] = {}
         self.store_selection_confirmed: dict[int, list[bool]] = {}
-        # blocks a request finished since the last planning held at confirmed positions, with their key
-        # then: what its finish flush (planned at the next build) copies was confirmed when queued
-        self.finished_confirmed: dict[int, tuple[Any, int] | None] = {}
+        # block -> its key, for the blocks that requests finished since the last build held at
+        # confirmed positions: a finish flush is queued then and sent at the next build (I10)
+        self.finished_confirmed: dict[int, BlockKey | None] = {}
         self.reports_left: dict[int, int] = {}
         self.loads_shipped: dict[str, int] = {}
         self.preempted_since_step: set[str] = set()
