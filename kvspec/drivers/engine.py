@@ -433,7 +433,7 @@ class Engine:
         out.scheduled_spec_decode_tokens = {rid: [-1] * n for rid, n in drafts.scheduled.items()}
         out.preempted_req_ids = set(self.preempted_since_step)
         out.finished_req_ids = set(self.finished_since_step)
-        pre = self.snapshot() if "last_plan" in self.observe else None
+        pre = self._planning_view() if "last_plan" in self.observe else None
         meta = self.target.build_connector_meta(out)
         if pre is not None:
             queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
@@ -618,7 +618,7 @@ class Engine:
                                        if b != NULL_BLOCK)
         clipped = tuple(list(t[: -(-r.num_computed_tokens // self.B)]) for t in r.table)
         plan, flush = plan and "last_plan" in self.observe, "finishes" in self.observe
-        pre = self.snapshot() if plan or flush else None
+        pre = self._planning_view() if plan or flush else None
         store_state = None if pre is None else pre["scheduler"]["reqs_to_store"].get(rid)
         expected = self._flush_expectation(r, clipped, store_state) if flush else []
         self.target.request_finished_all_groups(r, clipped)
@@ -1065,6 +1065,16 @@ class Engine:
 
     # -- observation --------------------------------------------------------------------------
 
+    def _planning_view(self) -> dict[str, Any]:
+        """What ``observe_plan`` and ``observe_finish`` read before a planning: the target's
+        snapshot and an engine section of the configuration and the live requests only (they
+        judge no finished request), without ``snapshot``'s other facts. O(live requests +
+        target state)."""
+        snap = self.target.snapshot()
+        snap["engine"] = {"config": self.config.to_json(),
+                          "requests": {rid: _request_json(r) for rid, r in self.live.items()}}
+        return snap
+
     def snapshot(self) -> dict[str, Any]:
         """The target's snapshot plus the engine's view (requests, data, transfers in flight).
 
@@ -1086,18 +1096,7 @@ class Engine:
         snap["engine"] = {
             "config": self.config.to_json(),
             "step": self.step_index,
-            "requests": {
-                rid: {
-                    "status": r.status,
-                    "num_tokens": r.num_tokens,
-                    "num_computed_tokens": r.num_computed_tokens,
-                    "num_output_placeholders": r.num_output_placeholders,
-                    "block_hashes": list(r.block_hashes),
-                    "table": [list(t) for t in r.table],
-                    "free_after_load": r.free_after_load,
-                }
-                for rid, r in sorted(shown.items(), key=lambda item: item[1].serial)
-            },
+            "requests": {rid: _request_json(r) for rid, r in sorted(shown.items(), key=_by_serial)},
             "gpu_data": list(self.gpu_data),
             "cpu_data": list(self.cpu_data),
             "store_selection_confirmed": {str(e): c for e, c in sorted(self.store_selection_confirmed.items())},
@@ -1111,6 +1110,23 @@ class Engine:
             "last_plan": self.last_plan,
         }
         return snap
+
+
+def _by_serial(item: tuple[str, EngineRequest]) -> int:
+    return item[1].serial
+
+
+def _request_json(r: EngineRequest) -> dict[str, Any]:
+    """One request in a snapshot's engine section."""
+    return {
+        "status": r.status,
+        "num_tokens": r.num_tokens,
+        "num_computed_tokens": r.num_computed_tokens,
+        "num_output_placeholders": r.num_output_placeholders,
+        "block_hashes": list(r.block_hashes),
+        "table": [list(t) for t in r.table],
+        "free_after_load": r.free_after_load,
+    }
 
 
 def _requests_named(sched: dict[str, Any]) -> set[str]:
