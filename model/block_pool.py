@@ -180,7 +180,7 @@ class BlockPool:
         return pool_section(self.num_blocks, self.ref_cnt,
                             [None if k is None else key_str(k) for k in self.block_hash],
                             self.free_queue, {key_str(k): ids for k, ids in self.cached.items_in_key_order()},
-                            keys_sorted=True)
+                            fresh_sorted=True)
 
     def _check(self) -> None:
         """Pool-local invariants (I1, I2, I3); raises AssertionError naming the block. O(N)."""

@@ -8,6 +8,7 @@ across runs and processes, so traces and snapshots are reproducible.
 """
 
 import hashlib
+from functools import lru_cache
 
 BlockHash = str
 BlockKey = tuple[BlockHash, int]
@@ -34,7 +35,9 @@ def block_hashes(tokens: list[int], block_size: int) -> list[BlockHash]:
     return out
 
 
+@lru_cache(maxsize=1 << 16)
 def key_str(key: BlockKey) -> str:
-    """Canonical text of a key in snapshots: ``"<hash>:<group>"``."""
+    """Canonical text of a key in snapshots: ``"<hash>:<group>"``. Memoized (a key's text is a
+    pure function of the key; snapshots format every hashed block's key each time)."""
     return f"{key[0]}:{key[1]}"
 

@@ -17,19 +17,20 @@ Transfer = tuple[Sequence[int], Sequence[int]]  # (GPU ids, CPU ids)
 
 def pool_section(num_blocks: int, ref_cnt: Iterable[int], block_hash: Iterable[str | None],
                  free_queue: Iterable[int], cached: Mapping[str, Sequence[int]],
-                 free_count: int | None = None, keys_sorted: bool = False) -> dict[str, Any]:
+                 free_count: int | None = None, fresh_sorted: bool = False) -> dict[str, Any]:
     """One pool: ref counts and key text per block, the free queue head first, the prefix map
     (keys sorted by hash then group, each key's blocks in insertion order). ``free_count``: the
     pool's own count of free blocks, where it keeps one; shown (as ``free_count``) only when it
     differs from the queue's length, so a consistent pool's snapshot is the same either way.
-    ``keys_sorted``: ``cached`` already lists its keys in that order (a pool that sorts its
-    ``(hash, group)`` tuples gets it for less than sorting the text here). O(N log N)."""
+    ``fresh_sorted``: ``cached`` is a new dict of new lists that already lists its keys in that
+    order (a pool that sorts its ``(hash, group)`` tuples gets it for less than sorting the text
+    here), taken as it is. O(N log N)."""
     section: dict[str, Any] = {
         "num_blocks": num_blocks,
         "ref_cnt": list(ref_cnt),
         "block_hash": list(block_hash),
         "free_queue": list(free_queue),
-        "cached": ({k: list(v) for k, v in cached.items()} if keys_sorted
+        "cached": (cached if fresh_sorted and isinstance(cached, dict)
                    else {k: list(cached[k]) for k in sorted(cached, key=_key_order)}),
     }
     if free_count is not None and free_count != len(section["free_queue"]):
