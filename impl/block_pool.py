@@ -268,22 +268,13 @@ class TensorBlockPool:
     # -- observation -----------------------------------------------------------------------------------
 
     def key_texts(self, kids: list[int]) -> list[str | None]:
-        cache: dict[int, str] = {}
-        out: list[str | None] = []
-        for k in kids:
-            if k < 0:
-                out.append(None)
-            else:
-                s = cache.get(k)
-                if s is None:
-                    s = cache[k] = self.keys.key_text(k)
-                out.append(s)
-        return out
+        text = self.keys.key_text
+        return [None if k < 0 else text(k) for k in kids]
 
     def snapshot(self) -> dict[str, Any]:
+        text = self.keys.key_text
         return pool_section(self.num_blocks, self.ref.tolist(), self.key_texts(self.key.tolist()),
-                            self.free.order_list(),
-                            {self.keys.key_text(k): chain for k, chain in self.index.items()})
+                            self.free.order_list(), {text(k): chain for k, chain in self.index.items()})
 
     def memory_bytes(self) -> int:
         """Bytes of bookkeeping tensors (payloads excluded)."""

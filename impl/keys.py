@@ -42,6 +42,7 @@ class KeyTable:
         self._seeds: list[int] = []
         self._seed_t = torch.zeros(64, dtype=torch.int64, device=device)
         self._seed_n = 0  # seeds copied into the tensor so far
+        self._key_texts: dict[int, str] = {}  # key id -> snapshot text, filled as snapshots ask
 
     def __len__(self) -> int:
         return len(self._text)
@@ -100,8 +101,12 @@ class KeyTable:
         return (entry, kid % self.num_groups)
 
     def key_text(self, kid: int) -> str:
-        k = self.key(kid)
-        return f"{k[0]}:{k[1]}"
+        """The snapshot text ``"<hash>:<group>"`` of key id ``kid`` (memoized: ids are never reused)."""
+        text = self._key_texts.get(kid)
+        if text is None:
+            k = self.key(kid)
+            text = self._key_texts[kid] = f"{k[0]}:{k[1]}"
+        return text
 
     def seeds(self, kids: torch.Tensor) -> torch.Tensor:
         """Seeds of the hashes of ``kids`` (vectorized)."""

@@ -71,7 +71,7 @@ class PrefixIndex:
         operations costs more than that), beyond it tensor operations find the present keys."""
         if self.first.numel() <= SMALL_KEY_SLOTS:
             first, stamp = self.first.tolist(), self.stamp.tolist()
-            kids = sorted((k for k, f in enumerate(first) if f >= 0), key=stamp.__getitem__)
+            kids = sorted([k for k, f in enumerate(first) if f >= 0], key=stamp.__getitem__)
             last = self.last.tolist()
             firsts, lasts = [first[k] for k in kids], [last[k] for k in kids]
         else:
