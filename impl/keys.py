@@ -121,13 +121,15 @@ class KeyTable:
         return self._seed_t[torch.div(kids, self.num_groups, rounding_mode="floor")]
 
     def _check(self) -> None:
-        """Each interned text or odd key maps to the id whose entry it is, one seed per id, and
-        the seed tensor mirrors the seeds copied so far. O(hash ids)."""
+        """Each interned text or odd key maps to the id whose entry it is, one seed per id, the
+        seed tensor mirrors the seeds copied so far, and each memoized key text is its key's
+        text. O(hash ids + key texts)."""
         assert len(self._seeds) == len(self._text) == len(self._hid) + len(self._odd), "key table: sizes"
         assert all(self._text[h] == text for text, h in self._hid.items()), "key table: hash ids"
         G = self.num_groups
         assert all(kid % G == 0 and self._text[kid // G] == key for key, kid in self._odd.items()), \
             "key table: odd keys"
         assert self._seed_n <= min(len(self._seeds), self._seed_t.numel()), "key table: seeds copied"
+        assert all(t == "{}:{}".format(*self.key(k)) for k, t in self._key_texts.items()), "key table: key texts"
         assert self._seed_t[: self._seed_n].tolist() == self._seeds[: self._seed_n], "key table: seed tensor"
 

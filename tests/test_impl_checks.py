@@ -101,6 +101,11 @@ def test_key_table_check() -> None:
     _broken(keys._check, lambda: keys._seed_t.__setitem__(0, 1), "seed tensor")
     keys._seed_t[0] = keys._seeds[0]
     _broken(keys._check, lambda: keys._hid.__setitem__("x", 1), "hash ids")
+    keys._hid["x"] = 0
+    kid = keys.key_id(("x", 1))
+    assert keys.key_text(kid) == "x:1"
+    keys._check()
+    _broken(keys._check, lambda: keys._key_texts.__setitem__(kid, "x:0"), "key texts")
 
 
 def test_in_flight_mirror_check() -> None:
