@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from kvspec.adapters.vllm import vllm_available
+from kvspec.adapters.vllm_compat import installed_version
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.errors import ConfigError, KVSpecError
 from kvspec.drivers import trace as trace_io
@@ -431,6 +432,7 @@ def test_without_vllm_the_target_is_a_config_error(monkeypatch: pytest.MonkeyPat
         return real_version(name)
 
     monkeypatch.setattr(importlib.metadata, "version", no_vllm)
+    installed_version.cache_clear()  # a version found earlier in this process is kept; a failure is not
     with pytest.raises(ConfigError, match=r"setup-vllm-venv\.sh"):
         make_vllm_target(CONFIGS["full-ws1"])
 

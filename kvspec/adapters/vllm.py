@@ -630,9 +630,7 @@ def _import_vllm(release: str | None = None) -> SimpleNamespace:
         ns.release = rel
         return ns
     try:
-        import importlib.metadata as metadata
-
-        version = metadata.version("vllm")
+        version = compat.installed_version()
     except Exception:
         raise ConfigError(
             "the 'vllm' target needs vLLM 0.33.0, which is not installed here; "
@@ -667,7 +665,9 @@ def _import_classes(version: str) -> SimpleNamespace:
     # The manager warns on paths the engine model drives on purpose (a pin dropped by a
     # new lookup, a refused reset); keep the harness output readable.
     for name in ("vllm.v1.simple_kv_offload.manager", "vllm.v1.core.block_pool"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logger = logging.getLogger(name)
+        if logger.level != logging.ERROR:  # setLevel clears every logger's cache: once is enough
+            logger.setLevel(logging.ERROR)
     return SimpleNamespace(
         float16=torch.float16, SamplingParams=SamplingParams, BlockPool=BlockPool, KVCacheBlocks=KVCacheBlocks,
         CachedRequestData=CachedRequestData, NewRequestData=NewRequestData, SchedulerOutput=VllmSchedulerOutput,

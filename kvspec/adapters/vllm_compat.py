@@ -32,6 +32,7 @@ What differs, read off each release's own sources:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata as metadata
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -98,10 +99,18 @@ def venv_for(version: str, root: Path | None = None) -> Path:
     return own
 
 
+@functools.cache
+def installed_version() -> str:
+    """The installed vLLM's version (``PackageNotFoundError`` when there is none). Looked up once
+    per process (reading the package metadata costs about a millisecond, and a fuzzer builds a
+    target per trace); a failed lookup is not kept."""
+    return metadata.version("vllm")
+
+
 def installed_release(wanted: str) -> Release:
     """The installed vLLM, which must be ``wanted``: else ``ConfigError`` naming the venv to use."""
     try:
-        found = metadata.version("vllm")
+        found: str | None = installed_version()
     except metadata.PackageNotFoundError:
         found = None
     if found != wanted:
