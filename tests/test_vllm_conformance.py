@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kept_kit import stale_snapshots
 
 from kvspec.adapters.vllm import vllm_available
 from kvspec.adapters.vllm_compat import installed_version
@@ -125,6 +126,20 @@ def _write_failure(config: OffloadConfig, seed: int, ops: list[dict[str, Any]], 
     Trace(config, ops[: d.op_index + 1], target="vllm", seed=seed,
           note=f"model baseline vs vLLM 0.33.0 diverge at operation {d.op_index}: {d.what}").write(path)
     return path
+
+
+# -- kept snapshots (the fuzzer's engine) -----------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
+@pytest.mark.parametrize("target", ["vllm", "raw:vllm"])
+def test_kept_snapshots_of_vllm_are_current(target: str) -> None:
+    """The fuzzer's engine keeps vLLM's snapshot between the calls that may change it (vLLM's
+    manager and GPU pool); every kept snapshot it serves equals a fresh one (``kept_kit``)."""
+    stale, served = stale_snapshots(target, "baseline", range(6))
+    assert stale == []
+    assert served > 0
 
 
 # -- conformance over random traces ------------------------------------------------------------

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kept_kit import stale_snapshots
 from test_vllm_conformance import CONFIGS as BASELINE_CONFIGS
 
 from kvspec.adapters.targets import get_factory
@@ -141,6 +142,17 @@ def test_signal_rescan_model_agrees_with_vllm_pr47235(name: str, tmp_path: Path)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_repair_model_agrees_with_vllm_repair(name: str, tmp_path: Path) -> None:
     _lockstep_on_random_traces(name, "repair", "vllm+repair", tmp_path)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("target", "policy"), [pytest.param("vllm+pr47235", "signal-rescan", marks=PR),
+                                                pytest.param("vllm+repair", "repair", marks=REPAIR)])
+def test_kept_snapshots_of_patched_vllm_are_current(target: str, policy: str) -> None:
+    """The fuzzer's engine keeps patched vLLM's snapshot between the calls that may change it;
+    every kept snapshot it serves equals a fresh one (``kept_kit``)."""
+    stale, served = stale_snapshots(target, policy, range(6))
+    assert stale == []
+    assert served > 0
 
 
 @pytest.mark.vllm

@@ -302,17 +302,25 @@ snapshot's engine section: what a planning step or finish flush did (``last_plan
 snapshots before and after the planning), what each finish of the operation had to flush and
 what it left uncovered right after its flush (``finishes``, C7, C8: an abort, or a stop at
 ``max_tokens`` while a step processes its output; ``catalogue.observe_finish``) and
-whether a step began quiescent (``converging_step``, C4). Measuring them costs two or three
-target snapshots per step or finish; an engine told to observe fewer shows the others as None
-(False) and judges nothing differently for an oracle that does not read them."""
+whether a step began quiescent (``converging_step``, C4). Measuring them costs a target snapshot
+before and one after each planning or finish flush; an engine told to observe fewer shows the
+others as None (False) and judges nothing differently for an oracle that does not read them."""
 
 
 class Engine:
     """Drives one ``OffloadTarget``; ``apply(op)`` runs one trace operation. ``observe``: which of
-    ``OBSERVATIONS`` to measure (all by default)."""
+    ``OBSERVATIONS`` to measure (all by default). ``keep_snapshots``: the target's snapshot is
+    taken once and kept until the engine next makes a call that may change the target or its
+    GPU pool (the fuzzer's runs: an operation that calls nothing, such as ``add``, or a step
+    whose output processing calls nothing after the planning, reads the kept one)."""
 
-    def __init__(self, target: OffloadTarget, observe: Iterable[str] = OBSERVATIONS) -> None:
+    def __init__(self, target: OffloadTarget, observe: Iterable[str] = OBSERVATIONS,
+                 keep_snapshots: bool = False) -> None:
         self.target = target
+        self.keep_snapshots = keep_snapshots
+        self._kept: dict[str, Any] | None = None  # the target's snapshot, while no call may have changed it
+        self.generation = 0  # target snapshots taken; the one kept (or last taken) is this one
+        self.served_generation = 0  # the generation of the target sections the last ``snapshot()`` showed
         self.observe = frozenset(observe)
         self.config = target.config
         self.gpu = target.gpu_pool
@@ -434,10 +442,10 @@ class Engine:
         out.preempted_req_ids = set(self.preempted_since_step)
         out.finished_req_ids = set(self.finished_since_step)
         pre = self._planning_view() if "last_plan" in self.observe else None
-        meta = self.target.build_connector_meta(out)
+        meta = self._changing_target.build_connector_meta(out)
         if pre is not None:
             queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
-            self.last_plan = observe_plan(pre, self.target.snapshot(),
+            self.last_plan = observe_plan(pre, self._target_snapshot(),
                                           list((Counter(meta.store_gpu_blocks) - queued).elements()))
         self._after_build(meta)
         batch = self._update_after_schedule(scheduled, drafts)
@@ -490,7 +498,7 @@ class Engine:
         if self.defer_block_free and batch.total > 0:
             self.processed_step_seq += 1
             while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
-                self.gpu.free_blocks(list(reversed(self.deferred_frees.popleft()[1])))
+                self._changing_gpu.free_blocks(list(reversed(self.deferred_frees.popleft()[1])))
         for rid, n in batch.scheduled.items():
             r = self.requests.get(rid)
             if r is None or r.status == FINISHED:
@@ -576,7 +584,7 @@ class Engine:
         check_count(count, "count", self.reports_left[event])
         if count == 0:
             raise InvalidCountError("count must be >= 1")
-        self.target.update_connector_output(KVConnectorOutput(completed_store_events={event: count}))
+        self._changing_target.update_connector_output(KVConnectorOutput(completed_store_events={event: count}))
         self.reports_left[event] -= count
         if self.reports_left[event] == 0:
             del self.reports_left[event]
@@ -589,7 +597,7 @@ class Engine:
         """The workers report ``rid``'s load complete (``finished_recving``)."""
         if not isinstance(rid, str) or rid not in self.loads_shipped:
             raise UnknownRequestError(f"{echo(rid)} has no load in flight")
-        self.target.update_connector_output(KVConnectorOutput(finished_recving={rid}))
+        self._changing_target.update_connector_output(KVConnectorOutput(finished_recving={rid}))
         del self.loads_shipped[rid]
         r = self.requests[rid]
         if r.free_after_load:
@@ -621,9 +629,9 @@ class Engine:
         pre = self._planning_view() if plan or flush else None
         store_state = None if pre is None else pre["scheduler"]["reqs_to_store"].get(rid)
         expected = self._flush_expectation(r, clipped, store_state) if flush else []
-        self.target.request_finished_all_groups(r, clipped)
+        self._changing_target.request_finished_all_groups(r, clipped)
         if pre is not None:
-            post = self.target.snapshot()
+            post = self._target_snapshot()
             if plan:
                 queued = Counter(g for t in pre["scheduler"]["pending_finished_stores"] for g in t["gpu"])
                 flushed = Counter(g for t in post["scheduler"]["pending_finished_stores"] for g in t["gpu"])
@@ -644,8 +652,8 @@ class Engine:
 
     def op_reset(self) -> tuple[bool, bool]:
         """``reset_prefix_cache(reset_connector=True)``: the GPU pool, then the target."""
-        gpu_ok = self.gpu.reset_prefix_cache()
-        return gpu_ok, self.target.reset()
+        gpu_ok = self._changing_gpu.reset_prefix_cache()
+        return gpu_ok, self._changing_target.reset()
 
     def _flush_expectation(self, r: EngineRequest, table: tuple[list[int], ...], st: dict[str, Any] | None
                            ) -> list[str]:
@@ -700,7 +708,7 @@ class Engine:
     def _free_table(self, r: EngineRequest) -> None:
         """Every block of ``r``'s table back to the pool now, each group's in reverse order."""
         for g in range(self.G):
-            self.gpu.free_blocks([b for b in reversed(r.table[g]) if b != NULL_BLOCK])
+            self._changing_gpu.free_blocks([b for b in reversed(r.table[g]) if b != NULL_BLOCK])
         r.table = [[] for _ in range(self.G)]
 
     def _blocks_can_be_freed(self, r: EngineRequest) -> bool:
@@ -751,7 +759,7 @@ class Engine:
                     break
                 removed.append(blocks[i])
                 blocks[i] = NULL_BLOCK
-            self.gpu.free_blocks(removed)
+            self._changing_gpu.free_blocks(removed)
 
     def _admission_cap(self, g: int) -> int | None:
         """vLLM's per-request admission cap of group ``g`` in blocks (``SlidingWindowSpec.
@@ -783,7 +791,8 @@ class Engine:
         self._remove_skipped_blocks(r)  # vLLM frees them even when the allocation then fails
         if self._blocks_to_grow(r, num_tokens) > self.gpu.get_num_free_blocks():
             return None
-        new = [self.gpu.get_new_blocks(max(0, -(-num_tokens // self.B) - len(r.table[g]))) for g in range(self.G)]
+        gpu = self._changing_gpu
+        new = [gpu.get_new_blocks(max(0, -(-num_tokens // self.B) - len(r.table[g]))) for g in range(self.G)]
         for g in range(self.G):
             r.table[g].extend(new[g])
         return new
@@ -808,7 +817,7 @@ class Engine:
             for p in range(min(full, len(r.table[g]))):
                 b = r.table[g][p]
                 if b != NULL_BLOCK and self.gpu.block_hash[b] is None:
-                    self.gpu.insert_block_hash((r.block_hashes[p], g), b)
+                    self._changing_gpu.insert_block_hash((r.block_hashes[p], g), b)
 
     def _schedule_running(self, tokens: StepBudget, out: SchedulerOutput, scheduled: dict[str, int],
                           drafts: Drafts) -> bool:
@@ -930,7 +939,7 @@ class Engine:
         if n < 0 or self._grow(r, r.num_computed_tokens + n, reserve_full=True) is None:
             self._unpad(r, drafts)
             return False
-        self.target.update_state_after_alloc(r, tuple(list(t) for t in r.table), 0)
+        self._changing_target.update_state_after_alloc(r, tuple(list(t) for t in r.table), 0)
         self._cache_blocks(r, r.num_computed_tokens + n)
         self.holding.remove(r.request_id)
         self._start(r, n, resume, out, scheduled, resumed_new)
@@ -967,7 +976,7 @@ class Engine:
         )
         local_len -= local_len % self.B
         local_blocks = [list(blocks[: local_len // self.B]) for blocks in local_blocks]
-        ext, is_async = self.target.get_num_new_matched_tokens(r, local_len)
+        ext, is_async = self._changing_target.get_num_new_matched_tokens(r, local_len)
         computed = local_len + ext
         n = 0 if is_async else self._padded(r, computed, tokens, drafts)
         if n is None:
@@ -984,19 +993,19 @@ class Engine:
         for g in range(self.G):
             skipped = self._skipped(g, computed)
             kept = local_blocks[g][skipped:]
-            self.gpu.touch([b for b in kept if b != NULL_BLOCK])
+            self._changing_gpu.touch([b for b in kept if b != NULL_BLOCK])
             r.table.append([NULL_BLOCK] * min(skipped, len(local_blocks[g])) + kept)
         for g in range(self.G):
             # external positions: null where already out of the window (vLLM's
             # ``allocate_external_computed_blocks``; the CPU hit has null there too), new blocks after
             skip = max(0, self._skipped(g, computed) - len(r.table[g]))
             r.table[g].extend([NULL_BLOCK] * skip)
-            r.table[g].extend(self.gpu.get_new_blocks(max(0, -(-computed // self.B) - len(r.table[g]))))
+            r.table[g].extend(self._changing_gpu.get_new_blocks(max(0, -(-computed // self.B) - len(r.table[g]))))
         for g in range(self.G):
-            r.table[g].extend(self.gpu.get_new_blocks(max(0, -(-(computed + n) // self.B) - len(r.table[g]))))
+            r.table[g].extend(self._changing_gpu.get_new_blocks(max(0, -(-(computed + n) // self.B) - len(r.table[g]))))
         r.num_computed_tokens = local_len
         full = tuple(list(t) for t in r.table)
-        self.target.update_state_after_alloc(r, full, ext)
+        self._changing_target.update_state_after_alloc(r, full, ext)
         if is_async:
             r.num_computed_tokens = computed
             r.status = WAITING_FOR_REMOTE
@@ -1065,12 +1074,44 @@ class Engine:
 
     # -- observation --------------------------------------------------------------------------
 
+    @property
+    def _changing_target(self) -> OffloadTarget:
+        """The target, for a call that may change its state: the kept snapshot is dropped first."""
+        self._kept = None
+        return self.target
+
+    @property
+    def _changing_gpu(self) -> Any:
+        """The GPU pool, for a call that may change its state: the kept snapshot is dropped first."""
+        self._kept = None
+        return self.gpu
+
+    def _target_snapshot(self) -> dict[str, Any]:
+        """The target's snapshot now: taken afresh, or, with ``keep_snapshots``, the one taken
+        since the engine last made a call that may change the target or its GPU pool (every call
+        but a snapshot and the counting queries ``has_pending_stores`` and
+        ``get_num_free_blocks``). A new top-level dict each time; its sections are shared with
+        the kept one and must not be mutated. ``kept_snapshot_is_current`` checks the premise. O(1)
+        when kept, O(target state) otherwise."""
+        if self._kept is None:
+            self.generation += 1
+            snap = self.target.snapshot()
+            if not self.keep_snapshots:
+                return snap
+            self._kept = snap
+        return dict(self._kept)
+
+    def kept_snapshot_is_current(self) -> bool:
+        """Whether the kept target snapshot (if any) equals one taken now: the premise of
+        ``keep_snapshots``, that only the calls it watches change the target. O(target state)."""
+        return self._kept is None or self._kept == self.target.snapshot()
+
     def _planning_view(self) -> dict[str, Any]:
         """What ``observe_plan`` and ``observe_finish`` read before a planning: the target's
         snapshot and an engine section of the configuration and the live requests only (they
         judge no finished request), without ``snapshot``'s other facts. O(live requests +
         target state)."""
-        snap = self.target.snapshot()
+        snap = self._target_snapshot()
         snap["engine"] = {"config": self.config.to_json(),
                           "requests": {rid: _request_json(r) for rid, r in self.live.items()}}
         return snap
@@ -1086,7 +1127,8 @@ class Engine:
         the whole history. Such a request is also retired here (dropped from ``requests``, its id
         kept in ``retired``): nothing observable changes, since no snapshot would show it and no
         operation may name it again. O(live requests + target state)."""
-        snap = self.target.snapshot()
+        snap = self._target_snapshot()
+        self.served_generation = self.generation
         named = _requests_named(snap["scheduler"]) | set(self.loads_shipped)
         named.update(fin["rid"] for fin in self.finishes)
         shown = {**self.live, **{rid: self.requests[rid] for rid in named if rid in self.requests}}

@@ -191,29 +191,36 @@ class Run:
     the invariants an operation touched (``kvspec.oracle.incremental``; same verdicts, a violation
     is the full check's); ``final_check`` then judges the last snapshot in full. ``lean``: the
     engines measure only the facts of ``OBSERVATIONS`` that the oracle reads (the fuzzer's runs;
-    same verdicts, ``tests/test_incremental.py``), not those a report of the run would show."""
+    same verdicts, ``tests/test_incremental.py``), not those a report of the run would show.
+    ``keep``: the engine keeps the target's snapshot between the calls that may change it
+    (``Engine.keep_snapshots``; the fuzzer's runs, which check that premise at every finding and
+    at the end of every trace: ``generate``)."""
 
     def __init__(self, config: OffloadConfig, factory: TargetFactory, oracle: Iterable[str],
                  reference: TargetFactory | None = None, rare: RarePaths | None = None,
-                 refine: bool = False, incremental: bool = False, lean: bool = False) -> None:
+                 refine: bool = False, incremental: bool = False, lean: bool = False,
+                 keep: bool = False) -> None:
         self.config = config
         self.ids = tuple(oracle)
         self.incremental = IncrementalOracle(self.ids) if incremental else None
         self.refine = refine and not config.lazy_offload  # lazy offload keeps no store state to refine
         read = engine_parts_read(self.ids) if lean else None
         observe = OBSERVATIONS if read is None else tuple(f for f in OBSERVATIONS if f in read)
-        self.engine = Engine(factory(config), observe)
+        self.engine = Engine(factory(config), observe, keep_snapshots=keep)
         self.ref = Engine(reference(config), observe) if reference is not None else None
         self.rare = rare
         self.index = 0
         self.rejected = 0
         self._snapshot: dict[str, Any] | None = None  # the engine's snapshot after the last operation
+        self._generation = -1  # the engine's target-snapshot generation that ``_snapshot`` shows
+        self._judged = -2  # the generation of the last snapshot the incremental oracle judged
 
     @property
     def snapshot(self) -> dict[str, Any]:
         """The engine's snapshot now (taken once per operation, then kept)."""
         if self._snapshot is None:
             self._snapshot = self.engine.snapshot()
+            self._generation = self.engine.served_generation
         return self._snapshot
 
     def apply(self, op: dict[str, Any], recorded: bool = True) -> Outcome | None:
@@ -224,7 +231,7 @@ class Run:
         i, self.index = self.index, self.index + 1
         name = str(op.get("op"))
         clean = {k: v for k, v in op.items() if k != "expect"}
-        before = self.snapshot
+        before, before_generation = self.snapshot, self._generation
         self._snapshot = None
         try:
             done = _apply(self.engine, clean)
@@ -234,7 +241,7 @@ class Run:
             if self.engine.snapshot() != before:
                 return self._crash(i, name, done.rejected, "its rejection changed the state")
             self.rejected += 1
-            self._snapshot = before
+            self._snapshot, self._generation = before, before_generation
         found = self._expectation(i, name, op, done.rejected) if recorded else None
         if found is None and self.ref is not None:
             found = self._compare(i, name, clean, done)
@@ -280,7 +287,9 @@ class Run:
         snap = self.snapshot
         if self.rare is not None:
             self.rare.observe(before, snap, op)
-        if self.incremental is None or self.incremental.check(snap):
+        # an engine that kept its target snapshot since the last judged one vouches its sections unchanged
+        same_target, self._judged = self._generation == self._judged, self._generation
+        if self.incremental is None or self.incremental.check(snap, same_target):
             violations = check(snap, self.ids)  # a violation is always the full check's
         else:
             violations = []
@@ -345,10 +354,11 @@ def _raised_in(exc: BaseException, objects: tuple[object, ...]) -> bool:
 
 def start_run(config: OffloadConfig, factory: TargetFactory, oracle: Iterable[str],
               reference: TargetFactory | None = None, rare: RarePaths | None = None,
-              refine: bool = False, incremental: bool = False, lean: bool = False) -> Run | Outcome:
+              refine: bool = False, incremental: bool = False, lean: bool = False,
+              keep: bool = False) -> Run | Outcome:
     """A ``Run``, or the crash of building the target (a finding at no operation)."""
     try:
-        return Run(config, factory, oracle, reference, rare, refine, incremental, lean)
+        return Run(config, factory, oracle, reference, rare, refine, incremental, lean, keep)
     except KVSpecError:
         raise
     except Exception as exc:
@@ -420,10 +430,14 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
     ``incremental`` (the default): the oracle checks what each operation touched, the whole
     oracle at the end of the trace; should that final check ever find what the incremental one
     missed, the operations are replayed with the full oracle after each, and that replay's
-    finding is the one returned (verdicts are always the full check's). ``refine`` adds the
-    refinement check (R1) after every accepted operation."""
+    finding is the one returned (verdicts are always the full check's). The engine keeps the
+    target's snapshot between calls that may change it (``Engine.keep_snapshots``); should the
+    kept one differ from a fresh one at a finding or at the end of the trace, the operations are
+    replayed the same way, with fresh snapshots, and that replay's verdict is the one returned
+    (a verdict never rests on a stale snapshot). ``refine`` adds the refinement check (R1) after
+    every accepted operation."""
     ids = tuple(oracle)
-    run = start_run(config, factory, ids, None, rare, refine, incremental, lean=True)
+    run = start_run(config, factory, ids, None, rare, refine, incremental, lean=True, keep=True)
     if isinstance(run, Outcome):
         return [], run
     gen = OpGenerator(config, RandomChoices(rng), mix)
@@ -435,9 +449,11 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
         if found is not None or strict or run.rejected == seen:
             ops.append(op)
         if found is not None:
+            if not run.engine.kept_snapshot_is_current():
+                return _replayed_in_full(config, factory, ids, ops, strict, refine)
             found.op_index = len(ops) - 1
             return ops, found
-    if incremental and run.index and run.final_check():
+    if run.index and (not run.engine.kept_snapshot_is_current() or (incremental and run.final_check())):
         return _replayed_in_full(config, factory, ids, ops, strict, refine)
     return ops, Outcome(len(ops), rejected=run.rejected)
 
@@ -445,8 +461,9 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
 def _replayed_in_full(config: OffloadConfig, factory: TargetFactory, ids: tuple[str, ...],
                       ops: list[dict[str, Any]], strict: bool, refine: bool = False
                       ) -> tuple[list[dict[str, Any]], Outcome]:
-    """``ops`` replayed with the full oracle after every operation: the finding, and the operations
-    up to it. (Generated operations that were rejected are not in ``ops``; strict ones are.)"""
+    """``ops`` replayed with the full oracle after every operation and a fresh target snapshot
+    wherever one is read: the finding, and the operations up to it. (Generated operations that
+    were rejected are not in ``ops``; strict ones are.)"""
     run = start_run(config, factory, ids, refine=refine, lean=True)
     if isinstance(run, Outcome):
         return [], run
