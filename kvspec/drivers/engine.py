@@ -568,7 +568,7 @@ class Engine:
         """No transfer or pin outstanding and CPU capacity >= the live working set (C4's premise)."""
         if self.reports_left or self.loads_shipped:
             return False
-        snap = self.snapshot()
+        snap = self._planning_view()  # owned_below_cursor judges live requests only
         sched = snap["scheduler"]
         if sched["pending_cpu_hits"] or sched["pending_finished_stores"] or sched["abandoned_store_events"]:
             return False
