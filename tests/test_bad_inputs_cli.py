@@ -177,6 +177,7 @@ def test_every_report_names_its_oracle(capsys: pytest.CaptureFixture[str], tmp_p
     code, out, _ = run_cli(["fuzz", "--budget", "1", "--out", str(tmp_path), "--json"], capsys)
     assert code == 0 and json.loads(out)["oracle"] == "claims of repair"
     assert json.loads(out)["ops_per_second"] > 0
+    assert json.loads(out)["replays"] == {}  # no trace of the model needed a fresh replay
 
 
 # -- the Python API of the engine ----------------------------------------------------------------

@@ -95,8 +95,7 @@ class _Drifting:
 
 def test_a_snapshot_that_drifts_behind_the_engine_gets_a_fresh_replay(monkeypatch: pytest.MonkeyPatch) -> None:
     """``generate`` checks the kept snapshot at the end of every trace and at every finding; a
-    mismatch means the operations are replayed with fresh snapshots. The replay's engine is
-    told apart by the ``keep_snapshots`` flag it was built with."""
+    mismatch means the operations are replayed with fresh snapshots, and the outcome says why."""
     replays: list[bool] = []
     real = harness._replayed_in_full
 
@@ -108,10 +107,26 @@ def test_a_snapshot_that_drifts_behind_the_engine_gets_a_fresh_replay(monkeypatc
     cfg = OffloadConfig(policy="repair", block_size=4, num_gpu_blocks=16, num_cpu_blocks=8)
     ids = claimed.resolve(None, cfg, None).ids
     make = get_factory("model")
-    generate(cfg, lambda c: _Drifting(make(c), after=10**9), random.Random(1), 40, ids)
-    assert replays == []  # a target that does not drift is never replayed
-    generate(cfg, lambda c: _Drifting(make(c), after=5), random.Random(1), 40, ids)
-    assert replays == [True]
+    _, steady = generate(cfg, lambda c: _Drifting(make(c), after=10**9), random.Random(1), 40, ids)
+    assert replays == [] and steady.replayed is None  # a target that does not drift is never replayed
+    _, drifting = generate(cfg, lambda c: _Drifting(make(c), after=5), random.Random(1), 40, ids)
+    assert replays == [True] and drifting.replayed == harness.STALE_SNAPSHOT
+
+
+def test_the_fuzzer_counts_and_explains_replays(capsys: pytest.CaptureFixture[str]) -> None:
+    """A campaign on a drifting target says how many traces were judged by a fresh replay, and why."""
+    from kvspec.commands.fuzz import _print_report
+
+    make = get_factory("model")
+    res = harness.fuzz(lambda c: _Drifting(make(c), after=5), "repair", budget=1.0, seed=0)
+    assert res.traces > 0 and res.replays == {harness.STALE_SNAPSHOT: res.traces}
+    steady = harness.fuzz(make, "repair", budget=0.5, seed=0)
+    assert steady.traces > 0 and steady.replays == {}
+    _print_report({"interrupted": False, "workers": 1, "traces": res.traces, "ops": res.ops, "seconds": 1.0,
+                   "ops_per_second": 1.0, "target": "model", "policy": "repair", "oracle": "claims",
+                   "campaign": {"resumed": False}, "rejected": 0, "rare_paths": {}, "replays": res.replays,
+                   "findings": []})
+    assert f"WARNING: {res.traces} trace(s) replayed (stale snapshot)" in capsys.readouterr().out
 
 
 class _Aliasing:

@@ -30,7 +30,7 @@ from kvspec.adapters.targets import RAW_PREFIX, get_factory, raw_target
 from kvspec.contract.config import POLICIES
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
 from kvspec.drivers.campaign import Distinct, check_ray, check_workers, dedupe_key, run_workers, worker_seeds
-from kvspec.drivers.harness import FuzzResult, _slug, check_writable, finding_name, fuzz, save_trace
+from kvspec.drivers.harness import REPLAYS, FuzzResult, _slug, check_writable, finding_name, fuzz, save_trace
 from kvspec.drivers.trace import Trace
 from kvspec.oracle import oracles
 from kvspec.report.html import page_for_trace
@@ -252,13 +252,17 @@ def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, w
     rate = sum(w.result.ops_per_second for w in results)  # the campaign's: each worker's rate, added
     rare = {name: sum(w.result.rare.get(name, 0) for w in results) for name in res.rare}
     rejected = sum(w.result.rejected for w in results)
+    replays: dict[str, int] = {}
+    for w in results:
+        for why, n in w.result.replays.items():
+            replays[why] = replays.get(why, 0) + n
     interrupted = any(w.result.interrupted for w in results)
     found = any(w.result.found for w in results)
     out: dict[str, Any] = {
         "target": args.target, "policy": policy, "oracle": res.oracle, "found": found,
         "kind": res.kind, "interrupted": interrupted, "seconds": round(wall if len(results) > 1 else res.seconds, 3),
         "traces": sum(w.result.traces for w in results), "ops": ops, "ops_per_second": round(rate, 1),
-        "rejected": rejected, "rare_paths": rare,
+        "rejected": rejected, "rare_paths": rare, "replays": replays,
         "finding": res.outcome.to_json() if res.found and res.outcome else None,
         "trace": str(saved["shrunk"]) if "shrunk" in saved else None,
         "unshrunk_trace": str(saved["unshrunk"]) if "unshrunk" in saved else None,
@@ -295,6 +299,8 @@ def _print_report(out: dict[str, Any]) -> None:
         print(f"  operations rejected cleanly by the target: {out['rejected']}")
     for name, n in out["rare_paths"].items():
         print(f"  {name}: {n}")
+    for why, n in out["replays"].items():
+        print(f"  WARNING: {n} trace(s) replayed ({why}): {REPLAYS[why]}")
     if not out["findings"]:
         print("nothing found")
         return
