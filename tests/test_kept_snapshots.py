@@ -5,8 +5,8 @@ The engine keeps the target's snapshot until it makes a call that may change the
 GPU pool. The checks: (1) on random traces of every target here (the model and the
 implementation under each policy, every known-bug variant), every time a kept snapshot is
 served it equals one taken fresh at that moment (``kept_kit``; the vLLM stages run the same
-check on real vLLM); (2) a planted mutation (GPU-pool calls no longer drop the kept snapshot) is
-caught by (1); (3) the fuzzer's loop (``generate``: kept snapshots, incremental checking)
+check on real vLLM); (2) planted mutations (GPU-pool calls, or target calls, no longer drop the
+kept snapshot) are caught by (1); (3) the fuzzer's loop (``generate``: kept snapshots, incremental checking)
 returns the same verdicts as a run that takes every snapshot fresh and checks in full; (4) a
 target whose snapshot changes behind the engine's back (a premise the engine cannot see) never
 gets a verdict from a stale snapshot: ``generate`` notices at the finding or at the end of the
@@ -43,9 +43,12 @@ def test_every_kept_snapshot_served_is_current(target: str, policy: str) -> None
     assert served > 0, "no kept snapshot was ever served: the check judged nothing"
 
 
-def test_a_gpu_call_that_keeps_the_snapshot_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planted mutation: calls on the GPU pool no longer drop the kept snapshot."""
-    monkeypatch.setattr(Engine, "_changing_gpu", property(lambda self: self.gpu))
+@pytest.mark.parametrize("watched", ["_changing_gpu", "_changing_target"])
+def test_a_call_that_keeps_the_snapshot_is_caught(monkeypatch: pytest.MonkeyPatch, watched: str) -> None:
+    """The planted mutations: calls on the GPU pool, or on the target, no longer drop the kept
+    snapshot."""
+    raw = "gpu" if watched == "_changing_gpu" else "target"
+    monkeypatch.setattr(Engine, watched, property(lambda self: getattr(self, raw)))
     stale, _ = stale_snapshots("model", "repair", range(8))
     assert stale
 
