@@ -1,32 +1,51 @@
-"""Fuzz throughput: checked operations per second with incremental vs full checking after every
-operation, per target, the policy's claimed oracle; medians of interleaved rounds in one run. Each
-rate is given per second of wall time and per second of the process's CPU time (one core's
-throughput, less disturbed than wall time when other jobs share the machine).
+"""Fuzz throughput: checked operations per second of the fuzzer's loop, the policy's claimed oracle
+after every operation; medians of interleaved rounds in one run. Each rate is given per second of
+wall time and per second of the process's CPU time (one core's throughput, less disturbed than
+wall time when other jobs share the machine).
 
     python scripts/bench_fuzz.py [--seconds 4] [--rounds 3] [--targets model,impl] [--policy repair] [--threads 1]
+    python scripts/bench_fuzz.py --against REV [--seconds 3] [--rounds 3] [--targets ...] [--policy ...]
 
-``--threads``: torch intra-op threads (default 1, what campaign workers use:
-``kvspec.drivers.campaign.single_threaded``; 0 leaves torch's own default, one per core).
+Without ``--against``: incremental vs full checking after every operation, in this tree.
+With ``--against REV`` (a git revision of this repository): the fuzzer's loop as ``kvspec fuzz``
+runs it (incremental checking) in this tree and in REV's, each round a fresh process per tree,
+the two trees alternating; printed per target: both medians (per CPU second) and the median of
+the per-round ratios (this tree / REV). REV's tree is exported with ``git archive`` into a
+temporary directory and imported from there (its ``kvspec`` package with ``model``, ``impl`` and
+``specs`` linked in, as the installed layout has them), so REV must have the same loop
+(``kvspec.drivers.harness.generate``, ``kvspec.drivers.opgen.random_config``,
+``kvspec.adapters.claims.resolve``). ``--threads``: torch intra-op threads (default 1, what
+campaign workers use: ``kvspec.drivers.campaign.single_threaded``; 0 leaves torch's own default).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import json
+import os
 import random
+import shutil
+import site
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
+from pathlib import Path
 
-import torch
-
-from kvspec.adapters import claims as claimed
-from kvspec.adapters.targets import get_factory
-from kvspec.drivers.harness import generate
-from kvspec.drivers.opgen import RandomChoices, random_config
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def rate(target: str, policy: str, seconds: float, incremental: bool, seed: int) -> tuple[float, float]:
     """Checked operations per second of wall time and per second of this process's CPU time
     (what one core gives when other jobs share the machine), over ``seconds`` of wall time."""
+    from kvspec.adapters import claims as claimed
+    from kvspec.adapters.targets import get_factory
+    from kvspec.drivers.harness import generate
+    from kvspec.drivers.opgen import RandomChoices, random_config
+
     factory, rng, ops = get_factory(target), random.Random(seed), 0
     start, cpu = time.perf_counter(), time.process_time()
     while time.perf_counter() - start < seconds:
@@ -36,6 +55,54 @@ def rate(target: str, policy: str, seconds: float, incremental: bool, seed: int)
     return ops / (time.perf_counter() - start), ops / (time.process_time() - cpu)
 
 
+def export_tree(rev: str, into: Path) -> Path:
+    """REV's files under ``into/src`` and an importable ``kvspec`` package under ``into/pkg``
+    (``model``, ``impl``, ``specs`` linked in); returns ``into/pkg``."""
+    archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"--against {rev}: git archive failed: {archive.stderr.decode().strip()}")
+    src, pkg = into / "src", into / "pkg"
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(src, filter="data")
+    shutil.copytree(src / "kvspec", pkg / "kvspec")
+    for sub in ("model", "impl", "specs"):
+        (pkg / "kvspec" / sub).symlink_to(src / sub, target_is_directory=True)
+    return pkg
+
+
+def measure_in(pkg: Path | None, target: str, policy: str, seconds: float, seed: int, threads: int) -> float:
+    """One round in a fresh process: this tree's (``pkg`` None) or the exported one's; returns
+    checked operations per CPU second."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", target, policy, str(seconds), str(seed),
+           "--threads", str(threads)]
+    env = dict(os.environ)
+    if pkg is not None:
+        # -S: no site hooks, so the editable install's finder does not map kvspec back to this tree
+        cmd.insert(1, "-S")
+        env["PYTHONPATH"] = os.pathsep.join([str(pkg), *site.getsitepackages()])
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"a measurement in {'this tree' if pkg is None else pkg} failed:\n{done.stderr[-2000:]}")
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    if not Path(got["kvspec"]).resolve().is_relative_to((pkg or ROOT).resolve()):
+        raise SystemExit(f"the measurement imported kvspec from {got['kvspec']}, not from {pkg or ROOT}")
+    return float(got["per_cpu_second"])
+
+
+def against(rev: str, targets: list[str], policy: str, seconds: float, rounds: int, threads: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvspec-bench-") as tmp:
+        pkg = export_tree(rev, Path(tmp))
+        for target in targets:
+            here, there = [], []
+            for r in range(rounds):
+                there.append(measure_in(pkg, target, policy, seconds, r, threads))
+                here.append(measure_in(None, target, policy, seconds, r, threads))
+            ratio = statistics.median(h / t for h, t in zip(here, there, strict=True))
+            print(f"{target:6s} {policy}: this tree {statistics.median(here):7.0f}, {rev} "
+                  f"{statistics.median(there):7.0f} checked ops per CPU second; median paired ratio {ratio:.2f} "
+                  f"({rounds} rounds of {seconds:g} s)", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=4.0, help="seconds per measurement (default 4)")
@@ -43,9 +110,24 @@ def main() -> None:
     p.add_argument("--targets", default="model,impl", help="comma-separated targets (default model,impl)")
     p.add_argument("--policy", default="repair", help="policy (default repair)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads, 0: torch's default (default 1)")
+    p.add_argument("--against", metavar="REV", help="compare the fuzzer's loop with REV's tree (default: compare "
+                                                     "incremental with full checking in this tree)")
+    p.add_argument("--measure", nargs=4, metavar=("TARGET", "POLICY", "SECONDS", "SEED"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    import torch
+
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.measure:  # one round of --against, in its own process
+        target, policy, seconds, seed = a.measure
+        wall, cpu = rate(target, policy, float(seconds), True, int(seed))
+        import kvspec
+
+        print(json.dumps({"per_wall_second": wall, "per_cpu_second": cpu, "kvspec": kvspec.__file__}))
+        return
+    if a.against:
+        against(a.against, a.targets.split(","), a.policy, a.seconds, a.rounds, a.threads)
+        return
     for target in a.targets.split(","):
         got: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
         for r in range(a.rounds):

@@ -78,3 +78,23 @@ def test_help_gives_every_default() -> None:
     for action in sub._actions:
         if action.dest != "help":
             assert action.help and "default" in action.help, action.option_strings
+
+
+def test_fuzz_throughput_script_compares_two_trees() -> None:
+    """``scripts/bench_fuzz.py --against REV`` measures REV's exported tree (it checks where each
+    round imported kvspec from) and this one, and prints both rates and their paired ratio. Only
+    the report's shape is asserted, never a rate."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: --against needs git archive")
+    done = subprocess.run([sys.executable, str(root / "scripts" / "bench_fuzz.py"), "--against", "HEAD",
+                           "--seconds", "0.2", "--rounds", "1", "--targets", "model"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^model +repair: this tree +\d+, HEAD +\d+ checked ops per CPU second; "
+                     r"median paired ratio \d+\.\d\d \(1 rounds of 0\.2 s\)$", done.stdout, re.M), done.stdout
