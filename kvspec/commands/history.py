@@ -199,6 +199,7 @@ def _worker(args: argparse.Namespace) -> int:
     """Search ``vllm@VERSION`` for ``args.budget`` seconds; one JSON row per distinct finding."""
     from kvspec.adapters.targets import get_factory
     from kvspec.adapters.vllm import baseline_oracle
+    from kvspec.drivers.harness import REPLAYS
 
     single_threaded()
     version = args.worker
@@ -209,6 +210,7 @@ def _worker(args: argparse.Namespace) -> int:
     seen: set[tuple[str | None, str | None]] = set()
     found_ids: set[str] = set()
     traces = ops = 0
+    replays: dict[str, int] = {}  # traces generate judged by a fresh, full replay, by cause
     while time.monotonic() - start < args.budget:
         cfg = _config(rng)
         skip = found_ids | set(compat.unclaimed(compat.Release(version)))
@@ -216,6 +218,9 @@ def _worker(args: argparse.Namespace) -> int:
         row = _one_trace(version, cfg, factory, oracle, rng, seen, start, args)
         traces += 1
         ops += row.pop("_ops") if row else 0
+        why = row.pop("_replayed", None)
+        if why is not None:
+            replays[why] = replays.get(why, 0) + 1
         if row and "finding" in row:
             if row["kind"] == "violation":
                 found_ids.add(row["invariant"])
@@ -226,6 +231,8 @@ def _worker(args: argparse.Namespace) -> int:
             print(f"history: vLLM {version}: {traces} traces, {time.monotonic() - start:.0f}/{args.budget:.0f}s",
                   file=sys.stderr)
     print(f"history: vLLM {version}: done, {traces} traces in {time.monotonic() - start:.0f}s", file=sys.stderr)
+    for why, n in replays.items():
+        print(f"history: vLLM {version}: WARNING: {n} trace(s) replayed ({why}): {REPLAYS[why]}", file=sys.stderr)
     return EXIT_FINDING if seen else EXIT_CLEAN
 
 
@@ -239,7 +246,7 @@ def _one_trace(version: str, cfg: OffloadConfig, factory: Any, oracle: tuple[str
 
     mix = OpMix(num_families=rng.choice([1, 2, 3]), readmit_preempted=True)
     trace_ops, out = generate(cfg, factory, rng, 120, oracle, mix=mix, strict=True)
-    row: dict[str, Any] = {"_ops": len(trace_ops)}
+    row: dict[str, Any] = {"_ops": len(trace_ops), "_replayed": out.replayed}
     if not out.failed:
         return row
     if out.op_name == "(setup)":  # the release cannot build this configuration: not a finding
