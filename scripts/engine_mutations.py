@@ -19,7 +19,7 @@ from pathlib import Path
 ENGINE = Path(__file__).resolve().parent.parent / "kvspec" / "drivers" / "engine.py"
 
 MUTATIONS: dict[str, tuple[str, str]] = {
-    "no output placeholders": ("                    r.num_output_placeholders += 1", "                    pass"),
+    "no output placeholders": ("r.num_output_placeholders += 1 + drafts.scheduled.get(rid, 0)", "pass"),
     "no skip at max_tokens": ("if need <= 0 or self._reaches_max_tokens(r):", "if need <= 0:"),
     "no deferred frees": ("self.defer_block_free = self.async_scheduling", "self.defer_block_free = False"),
     "preempt a request a batch in flight writes": ("if not self._blocks_can_be_freed(victim):", "if False:"),
