@@ -23,7 +23,7 @@ import pytest
 
 from kvspec.cli import main
 from kvspec.contract.errors import ConfigError
-from kvspec.drivers.campaign import canonical_ops, check_ray, check_workers, dedupe_key, worker_seeds
+from kvspec.drivers.campaign import canonical_ops, check_ray, check_workers, dedupe_key, usable_cores, worker_seeds
 
 
 def test_worker_seeds_are_distinct_and_one_worker_keeps_the_seed() -> None:
@@ -50,6 +50,22 @@ def test_findings_equal_up_to_renaming_requests_are_one() -> None:
 def test_bad_worker_counts_are_refused(bad: object) -> None:
     with pytest.raises(ConfigError):
         check_workers(bad)
+
+
+def test_auto_workers_are_the_usable_cores(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--workers auto``: one worker per core this process may run on; refused with ``--ray`` (the
+    cluster is not this machine), and any other word is a usage error."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert check_workers("auto") == usable_cores() == min(cores or 1, 256)
+    with pytest.raises(ConfigError, match="with --ray give the number"):
+        check_workers("auto", "auto")
+    assert main(["fuzz", "--target", "model", "--budget", "1", "--workers", "auto", "--out", str(tmp_path),
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workers"] == usable_cores() == len(out["per_worker"])
+    with pytest.raises(SystemExit) as stop:
+        main(["fuzz", "--workers", "many"])
+    assert stop.value.code == 2 and "expected a whole number or auto, got 'many'" in capsys.readouterr().err
 
 
 def test_two_workers_find_a_known_bug_and_report_it_once_per_distinct_trace(

@@ -29,7 +29,15 @@ from typing import Any
 from kvspec.adapters.targets import RAW_PREFIX, get_factory, raw_target
 from kvspec.contract.config import POLICIES
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
-from kvspec.drivers.campaign import Distinct, check_ray, check_workers, dedupe_key, run_workers, worker_seeds
+from kvspec.drivers.campaign import (
+    AUTO_WORKERS,
+    Distinct,
+    check_ray,
+    check_workers,
+    dedupe_key,
+    run_workers,
+    worker_seeds,
+)
 from kvspec.drivers.harness import REPLAYS, FuzzResult, _slug, check_writable, finding_name, fuzz, save_trace
 from kvspec.drivers.trace import Trace
 from kvspec.oracle import oracles
@@ -51,6 +59,17 @@ def budget_seconds(text: str) -> float:
     return value
 
 
+def workers_count(text: str) -> int | str:
+    """An argparse type for ``--workers``: a whole number (its range is ``check_workers``'s), or
+    ``auto``."""
+    if text == AUTO_WORKERS:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {text[:40]!r}") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.add_argument("--target", default="model", help="model, impl, vllm or bug:<name> (default: model)")
@@ -59,9 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=budget_seconds, default=60.0, help="seconds to search (default 60)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed (default 0); with --workers N, worker i runs seed*N+i")
-    p.add_argument("--workers", type=int, default=1,
+    p.add_argument("--workers", type=workers_count, default=1, metavar="N|auto",
                    help="processes, each with its own seed for the whole budget; findings deduplicated "
-                        "(same invariant, same shrunk trace up to renaming requests) (default 1)")
+                        "(same invariant, same shrunk trace up to renaming requests); auto: one per usable "
+                        "core of this machine (default 1)")
     add_ray_argument(p)
     p.add_argument("--oracle", default=None, metavar="claims|all|ID,ID",
                    help="invariants that judge the run (default: claims, what the policy guarantees; "
@@ -160,7 +180,7 @@ def _save_here(job: Job, results: list[WorkerResult]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     oracles.check_spec(args.oracle)
-    workers = check_workers(args.workers)
+    workers = check_workers(args.workers, args.ray)
     if args.raw:
         args.target = raw_target(args.target)
     ray = check_ray(args.ray)

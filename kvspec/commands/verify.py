@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 
 from kvspec.adapters.targets import get_factory
-from kvspec.commands.fuzz import add_ray_argument, budget_seconds
+from kvspec.commands.fuzz import add_ray_argument, budget_seconds, workers_count
 from kvspec.contract.errors import ConfigError
 from kvspec.drivers.campaign import check_ray, check_workers, map_jobs
 from kvspec.drivers.harness import default_oracle, generate, run_ops
@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds for the conformance campaign (default 60)")
     p.add_argument("--bug-budget", type=budget_seconds, default=5.0, help="seconds per known bug (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of every campaign (default 0)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="processes running stages at once; the stages' results do not depend on it (default 1)")
+    p.add_argument("--workers", type=workers_count, default=1, metavar="N|auto",
+                   help="processes running stages at once; the stages' results do not depend on it; auto: one "
+                        "per usable core of this machine (default 1)")
     add_ray_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -128,7 +129,7 @@ def stages(budget: float, bug_budget: float, seed: int) -> list[Stage]:
 
 
 def run(args: argparse.Namespace) -> int:
-    workers, ray = check_workers(args.workers), check_ray(args.ray)
+    workers, ray = check_workers(args.workers, args.ray), check_ray(args.ray)
     rows = map_jobs(partial(run_stage, args.json), stages(args.budget, args.bug_budget, args.seed), workers, ray)
     failed = any(r["result"] == "FAIL" for r in rows)
     if args.json:

@@ -19,6 +19,7 @@ milliseconds for a descheduled helper thread (measured: ``repeat_interleave`` of
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -35,9 +36,28 @@ def worker_seeds(seed: int, workers: int) -> list[int]:
     return [seed * workers + i for i in range(workers)]
 
 
-def check_workers(workers: object) -> int:
+AUTO_WORKERS = "auto"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the platform tells it), at most
+    ``MAX_WORKERS``."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        n = os.cpu_count() or 1
+    return max(1, min(n, MAX_WORKERS))
+
+
+def check_workers(workers: object, ray: object = None) -> int:
+    """``--workers``: an integer in 1..MAX_WORKERS, or ``auto``, one per usable core of this
+    machine (``usable_cores``; refused with ``--ray``, whose cluster is not this machine)."""
+    if workers == AUTO_WORKERS:
+        if ray is not None:
+            raise ConfigError("--workers auto counts this machine's cores; with --ray give the number of workers")
+        return usable_cores()
     if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= MAX_WORKERS:
-        raise ConfigError(f"--workers must be an integer in 1..{MAX_WORKERS}, got {str(workers)[:20]!r}")
+        raise ConfigError(f"--workers must be an integer in 1..{MAX_WORKERS} or auto, got {str(workers)[:20]!r}")
     return workers
 
 
