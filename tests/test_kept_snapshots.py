@@ -9,10 +9,11 @@ check on real vLLM); (2) planted mutations (GPU-pool calls, or target calls, no 
 kept snapshot) are caught by (1); (3) the fuzzer's loop (``generate``: kept snapshots, incremental checking)
 returns the same verdicts as a run that takes every snapshot fresh and checks in full; (4) a
 target whose snapshot changes behind the engine's back (a premise the engine cannot see) never
-gets a verdict from a stale snapshot: ``generate`` notices at the finding or at the end of the
+gets a verdict from a stale snapshot: ``generate`` notices at a violation or at the end of the
 trace and replays with fresh snapshots; (5) the incremental oracle takes identical containers as
 unchanged only when the engine served the same kept snapshot, not when a fresh one hands out the
-same objects refilled in place, and a planted mutation of that rule is caught.
+same objects refilled in place, and a planted mutation of that rule is caught; (6) a crash is
+reported from its exception, with no snapshot check that a crashed target could break.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class _Drifting:
 
 
 def test_a_snapshot_that_drifts_behind_the_engine_gets_a_fresh_replay(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``generate`` checks the kept snapshot at the end of every trace and at every finding; a
+    """``generate`` checks the kept snapshot at the end of every trace and at every violation; a
     mismatch means the operations are replayed with fresh snapshots, and the outcome says why."""
     replays: list[bool] = []
     real = harness._replayed_in_full
@@ -190,3 +191,39 @@ def test_vouching_for_every_snapshot_is_caught(monkeypatch: pytest.MonkeyPatch) 
     real = IncrementalOracle.check
     monkeypatch.setattr(IncrementalOracle, "check", lambda self, snap, same_target=False: real(self, snap, True))
     assert sum(m for m, _ in (_i1_reruns(seed) for seed in range(4))) > 0
+
+
+class _Crashing:
+    """A target whose fifth ``has_pending_stores`` (a query, which leaves the engine's kept
+    snapshot in place) raises a plain ``RuntimeError`` (a crash), after which its snapshot raises
+    too."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner, self.queries, self.crashed = inner, 0, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def has_pending_stores(self) -> bool:
+        self.queries += 1
+        if self.queries == 5:
+            self.crashed = True
+            raise RuntimeError("query crashed")
+        return bool(self._inner.has_pending_stores())
+
+    def snapshot(self) -> dict[str, Any]:
+        if self.crashed:
+            raise RuntimeError("no snapshot after the crash")
+        return dict(self._inner.snapshot())
+
+
+def test_a_crash_is_reported_without_a_snapshot_check() -> None:
+    """A crash is observed from the exception, not read from a snapshot: ``generate`` reports it
+    as it is, without comparing the kept snapshot (which a crashed target may not even give)."""
+    cfg = OffloadConfig(policy="repair", block_size=4, num_gpu_blocks=16, num_cpu_blocks=8)
+    ids = claimed.resolve(None, cfg, None).ids
+    make = get_factory("model")
+    outcomes = [generate(cfg, lambda c: _Crashing(make(c)), random.Random(seed), 60, ids)[1] for seed in range(4)]
+    crashes = [out for out in outcomes if out.crash is not None]
+    assert len(crashes) >= 2, "too few traces reached the crash"
+    assert all("query crashed" in out.crash and out.replayed is None for out in crashes)

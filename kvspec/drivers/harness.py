@@ -194,7 +194,7 @@ class Run:
     engines measure only the facts of ``OBSERVATIONS`` that the oracle reads (the fuzzer's runs;
     same verdicts, ``tests/test_incremental.py``), not those a report of the run would show.
     ``keep``: the engine keeps the target's snapshot between the calls that may change it
-    (``Engine.keep_snapshots``; the fuzzer's runs, which check that premise at every finding and
+    (``Engine.keep_snapshots``; the fuzzer's runs, which check that premise at every violation and
     at the end of every trace: ``generate``)."""
 
     def __init__(self, config: OffloadConfig, factory: TargetFactory, oracle: Iterable[str],
@@ -433,7 +433,7 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
     missed, the operations are replayed with the full oracle after each, and that replay's
     finding is the one returned (verdicts are always the full check's). The engine keeps the
     target's snapshot between calls that may change it (``Engine.keep_snapshots``); should the
-    kept one differ from a fresh one at a finding or at the end of the trace, the operations are
+    kept one differ from a fresh one at a violation or at the end of the trace, the operations are
     replayed the same way, with fresh snapshots, and that replay's verdict is the one returned
     (a verdict never rests on a stale snapshot). ``refine`` adds the refinement check (R1) after
     every accepted operation."""
@@ -450,7 +450,8 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
         if found is not None or strict or run.rejected == seen:
             ops.append(op)
         if found is not None:
-            if not run.engine.kept_snapshot_is_current():
+            # a violation is read from a snapshot (a crash or an unmet expectation is not)
+            if found.violation is not None and not run.engine.kept_snapshot_is_current():
                 return _replayed_in_full(config, factory, ids, ops, strict, refine, STALE_SNAPSHOT)
             found.op_index = len(ops) - 1
             return ops, found
