@@ -9,8 +9,9 @@ check on real vLLM); (2) planted mutations (GPU-pool calls, or target calls, no 
 kept snapshot) are caught by (1); (3) the fuzzer's loop (``generate``: kept snapshots, incremental checking)
 returns the same verdicts as a run that takes every snapshot fresh and checks in full; (4) a
 target whose snapshot changes behind the engine's back (a premise the engine cannot see) never
-gets a verdict from a stale snapshot: ``generate`` notices at a violation or at the end of the
-trace and replays with fresh snapshots; (5) the incremental oracle takes identical containers as
+gets a verdict from a stale snapshot: ``generate`` confirms every violation with fresh snapshots
+and compares the kept snapshot with a fresh one at the end of every trace, and replays with fresh
+snapshots when either disagrees; (5) the incremental oracle takes identical containers as
 unchanged only when the engine served the same kept snapshot, not when a fresh one hands out the
 same objects refilled in place, and a planted mutation of that rule is caught; (6) a crash is
 reported from its exception, with no snapshot check that a crashed target could break.
@@ -98,7 +99,7 @@ class _Drifting:
 
 
 def test_a_snapshot_that_drifts_behind_the_engine_gets_a_fresh_replay(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``generate`` checks the kept snapshot at the end of every trace and at every violation; a
+    """``generate`` compares the kept snapshot with a fresh one at the end of every trace; a
     mismatch means the operations are replayed with fresh snapshots, and the outcome says why."""
     replays: list[bool] = []
     real = harness._replayed_in_full
@@ -227,3 +228,49 @@ def test_a_crash_is_reported_without_a_snapshot_check() -> None:
     crashes = [out for out in outcomes if out.crash is not None]
     assert len(crashes) >= 2, "too few traces reached the crash"
     assert all("query crashed" in out.crash and out.replayed is None for out in crashes)
+
+
+def test_every_violation_is_confirmed_with_fresh_snapshots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A violation the fuzzer's loop finds is replayed once with fresh snapshots before it is
+    returned (a plan fact measured from a stale kept snapshot could otherwise raise an alarm that
+    the end-of-operation snapshot no longer shows)."""
+    calls: list[str] = []
+    real = harness._replayed_in_full
+    monkeypatch.setattr(harness, "_replayed_in_full", lambda *a, **k: calls.append("replay") or real(*a, **k))
+    violations = 0
+    for seed in range(6):
+        rng = random.Random(seed)
+        cfg = random_config(RandomChoices(rng), "repair", False)
+        _, out = generate(cfg, get_factory("bug:self-eviction"), rng, 60, claimed.resolve(None, cfg, None).ids)
+        violations += out.violation is not None
+        assert out.replayed is None
+    assert violations and len(calls) == violations
+
+
+class _LiesOnce:
+    """A target whose one snapshot, the ``at``-th taken by the first instance built, shows CPU
+    block 1 with ref count -1 (a violation of I1 that its state does not have)."""
+
+    built = 0
+
+    def __init__(self, inner: Any, at: int) -> None:
+        _LiesOnce.built += 1
+        self._inner, self._left, self._liar = inner, at, _LiesOnce.built == 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = self._inner.snapshot()
+        self._left -= 1
+        if self._liar and self._left == 0:
+            snap["cpu_pool"] = {**snap["cpu_pool"], "ref_cnt": [0, -1, *snap["cpu_pool"]["ref_cnt"][2:]]}
+        return snap
+
+
+def test_a_violation_that_fresh_snapshots_do_not_show_is_not_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = OffloadConfig(policy="repair", block_size=4, num_gpu_blocks=16, num_cpu_blocks=8)
+    make = get_factory("model")
+    monkeypatch.setattr(_LiesOnce, "built", 0)
+    _, out = generate(cfg, lambda c: _LiesOnce(make(c), at=20), random.Random(3), 60, ("I1",))
+    assert out.violation is None and out.replayed == harness.STALE_SNAPSHOT

@@ -194,8 +194,9 @@ class Run:
     engines measure only the facts of ``OBSERVATIONS`` that the oracle reads (the fuzzer's runs;
     same verdicts, ``tests/test_incremental.py``), not those a report of the run would show.
     ``keep``: the engine keeps the target's snapshot between the calls that may change it
-    (``Engine.keep_snapshots``; the fuzzer's runs, which check that premise at every violation and
-    at the end of every trace: ``generate``)."""
+    (``Engine.keep_snapshots``; the fuzzer's runs, which confirm every violation with fresh
+    snapshots and compare the kept snapshot with a fresh one at the end of every trace:
+    ``generate``)."""
 
     def __init__(self, config: OffloadConfig, factory: TargetFactory, oracle: Iterable[str],
                  reference: TargetFactory | None = None, rare: RarePaths | None = None,
@@ -432,10 +433,11 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
     oracle at the end of the trace; should that final check ever find what the incremental one
     missed, the operations are replayed with the full oracle after each, and that replay's
     finding is the one returned (verdicts are always the full check's). The engine keeps the
-    target's snapshot between calls that may change it (``Engine.keep_snapshots``); should the
-    kept one differ from a fresh one at a violation or at the end of the trace, the operations are
-    replayed the same way, with fresh snapshots, and that replay's verdict is the one returned
-    (a verdict never rests on a stale snapshot). ``refine`` adds the refinement check (R1) after
+    target's snapshot between calls that may change it (``Engine.keep_snapshots``): a violation
+    is confirmed by replaying the operations the same way with fresh snapshots (should the
+    replay judge otherwise, its verdict is the one returned), and at the end of a clean trace the
+    kept snapshot is compared with a fresh one (a mismatch means such a replay too), so no
+    verdict rests on a stale snapshot. ``refine`` adds the refinement check (R1) after
     every accepted operation."""
     ids = tuple(oracle)
     run = start_run(config, factory, ids, None, rare, refine, incremental, lean=True, keep=True)
@@ -450,11 +452,15 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
         if found is not None or strict or run.rejected == seen:
             ops.append(op)
         if found is not None:
-            # a violation is read from a snapshot (a crash or an unmet expectation is not)
-            if found.violation is not None and not run.engine.kept_snapshot_is_current():
-                return _replayed_in_full(config, factory, ids, ops, strict, refine, STALE_SNAPSHOT)
             found.op_index = len(ops) - 1
-            return ops, found
+            if found.violation is None:  # a crash or an unmet expectation is read from no snapshot
+                return ops, found
+            # a violation is confirmed with fresh snapshots: a kept one (or a plan fact measured
+            # from one) that a call the engine does not watch had made stale cannot raise an alarm
+            fresh_ops, fresh = _replayed_in_full(config, factory, ids, ops, strict, refine, STALE_SNAPSHOT)
+            if (fresh.op_index, fresh.violation) == (found.op_index, found.violation):
+                return ops, found
+            return fresh_ops, fresh
     if run.index and not run.engine.kept_snapshot_is_current():
         return _replayed_in_full(config, factory, ids, ops, strict, refine, STALE_SNAPSHOT)
     if incremental and run.index and run.final_check():
@@ -465,9 +471,10 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
 STALE_SNAPSHOT = "stale snapshot"
 INCREMENTAL_MISS = "incremental miss"
 REPLAYS = {
-    STALE_SNAPSHOT: "the target's kept snapshot differed from a fresh one: its snapshot changes without "
-                    "a call the engine watches (a query that changes state, or state read from the "
-                    "engine's own objects); such traces are judged by a replay with fresh snapshots",
+    STALE_SNAPSHOT: "a kept snapshot differed from a fresh one (at the end of the trace, or a violation "
+                    "that fresh snapshots do not confirm): the target's snapshot changes without a call "
+                    "the engine watches (a query that changes state, or state read from the engine's own "
+                    "objects); such traces are judged by a replay with fresh snapshots",
     INCREMENTAL_MISS: "incremental checking missed a violation that the full check found at the end of the "
                       "trace: an invariant reads a part kvspec.oracle.incremental.READS does not list "
                       "(a kvspec bug; the replay's verdict stands)",
