@@ -11,9 +11,8 @@ With ``--against REV`` (a git revision of this repository): the fuzzer's loop as
 runs it (incremental checking) in this tree and in REV's, each round a fresh process per tree,
 the two trees alternating; printed per target: both medians (per CPU second) and the median of
 the per-round ratios (this tree / REV). REV's tree is exported with ``git archive`` into a
-temporary directory and imported from there (its ``kvspec`` package with ``model``, ``impl`` and
-``specs`` linked in, as the installed layout has them), so REV must have the same loop
-(``kvspec.drivers.harness.generate``, ``kvspec.drivers.opgen.random_config``,
+temporary directory and imported from there (``kvspec.specs.mutations.installed_layout``), so REV
+must have the same loop (``kvspec.drivers.harness.generate``, ``kvspec.drivers.opgen.random_config``,
 ``kvspec.adapters.claims.resolve``). ``--threads``: torch intra-op threads (default 1, what
 campaign workers use: ``kvspec.drivers.campaign.single_threaded``; 0 leaves torch's own default).
 """
@@ -25,8 +24,6 @@ import io
 import json
 import os
 import random
-import shutil
-import site
 import statistics
 import subprocess
 import sys
@@ -56,46 +53,42 @@ def rate(target: str, policy: str, seconds: float, incremental: bool, seed: int)
 
 
 def export_tree(rev: str, into: Path) -> Path:
-    """REV's files under ``into/src`` and an importable ``kvspec`` package under ``into/pkg``
-    (``model``, ``impl``, ``specs`` linked in); returns ``into/pkg``."""
+    """REV's files under ``into``, in the installed layout (``installed_layout``), so that
+    ``PYTHONPATH=into`` imports REV's kvspec; returns ``into``."""
+    from kvspec.specs.mutations import installed_layout
+
     archive = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True)
     if archive.returncode != 0:
         raise SystemExit(f"--against {rev}: git archive failed: {archive.stderr.decode().strip()}")
-    src, pkg = into / "src", into / "pkg"
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(src, filter="data")
-    shutil.copytree(src / "kvspec", pkg / "kvspec")
-    for sub in ("model", "impl", "specs"):
-        (pkg / "kvspec" / sub).symlink_to(src / sub, target_is_directory=True)
-    return pkg
+        tar.extractall(into, filter="data")
+    return installed_layout(into)
 
 
-def measure_in(pkg: Path | None, target: str, policy: str, seconds: float, seed: int, threads: int) -> float:
-    """One round in a fresh process: this tree's (``pkg`` None) or the exported one's; returns
+def measure_in(tree: Path | None, target: str, policy: str, seconds: float, seed: int, threads: int) -> float:
+    """One round in a fresh process: this tree's (``tree`` None) or the exported one's; returns
     checked operations per CPU second."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--measure", target, policy, str(seconds), str(seed),
            "--threads", str(threads)]
     env = dict(os.environ)
-    if pkg is not None:
-        # -S: no site hooks, so the editable install's finder does not map kvspec back to this tree
-        cmd.insert(1, "-S")
-        env["PYTHONPATH"] = os.pathsep.join([str(pkg), *site.getsitepackages()])
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)  # found before the editable install's finder, which comes last
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise SystemExit(f"a measurement in {'this tree' if pkg is None else pkg} failed:\n{done.stderr[-2000:]}")
+        raise SystemExit(f"a measurement in {tree or 'this tree'} failed:\n{done.stderr[-2000:]}")
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    if not Path(got["kvspec"]).resolve().is_relative_to((pkg or ROOT).resolve()):
-        raise SystemExit(f"the measurement imported kvspec from {got['kvspec']}, not from {pkg or ROOT}")
+    if not Path(got["kvspec"]).resolve().is_relative_to((tree or ROOT).resolve()):
+        raise SystemExit(f"the measurement imported kvspec from {got['kvspec']}, not from {tree or ROOT}")
     return float(got["per_cpu_second"])
 
 
 def against(rev: str, targets: list[str], policy: str, seconds: float, rounds: int, threads: int) -> None:
     with tempfile.TemporaryDirectory(prefix="kvspec-bench-") as tmp:
-        pkg = export_tree(rev, Path(tmp))
+        tree = export_tree(rev, Path(tmp))
         for target in targets:
             here, there = [], []
             for r in range(rounds):
-                there.append(measure_in(pkg, target, policy, seconds, r, threads))
+                there.append(measure_in(tree, target, policy, seconds, r, threads))
                 here.append(measure_in(None, target, policy, seconds, r, threads))
             ratio = statistics.median(h / t for h, t in zip(here, there, strict=True))
             print(f"{target:6s} {policy}: this tree {statistics.median(here):7.0f}, {rev} "

@@ -235,6 +235,12 @@ def scratch_copy(repo: Path, dest: Path) -> Path:
         if src.is_file():
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
+    return installed_layout(dest)
+
+
+def installed_layout(dest: Path) -> Path:
+    """Link ``kvspec/{model,impl,specs}`` in a copy of the repository at ``dest`` to its top-level
+    directories (the installed layout), so that ``PYTHONPATH=dest`` imports that copy."""
     for sub in ("model", "impl", "specs"):
         link = dest / "kvspec" / sub
         if not link.exists():

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from kvspec.commands.fuzz import add_ray_argument, budget_seconds, workers_count
+from kvspec.commands.fuzz import add_ray_argument, add_workers_argument, budget_seconds
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
 from kvspec.drivers.campaign import check_ray, check_workers, map_jobs
 from kvspec.drivers.harness import VIOLATION, check_writable, finding_name, fuzz, save_trace
@@ -37,9 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1, help="seed of every hunt (default 1)")
     p.add_argument("--only", default=None, help="comma-separated bug names (default: every known bug)")
     p.add_argument("--out", default=None, help="directory for the shrunk traces (default: none written)")
-    p.add_argument("--workers", type=workers_count, default=1, metavar="N|auto",
-                   help="processes hunting different bugs at once; the rows do not depend on it; auto: one "
-                        "per usable core of this machine (default 1)")
+    add_workers_argument(p, "processes hunting different bugs at once; the rows do not depend on it")
     add_ray_argument(p)
     p.add_argument("--json", action="store_true", help="print a JSON list")
 

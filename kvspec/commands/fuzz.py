@@ -78,10 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=budget_seconds, default=60.0, help="seconds to search (default 60)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed (default 0); with --workers N, worker i runs seed*N+i")
-    p.add_argument("--workers", type=workers_count, default=1, metavar="N|auto",
-                   help="processes, each with its own seed for the whole budget; findings deduplicated "
-                        "(same invariant, same shrunk trace up to renaming requests); auto: one per usable "
-                        "core of this machine (default 1)")
+    add_workers_argument(p, "processes, each with its own seed for the whole budget; findings deduplicated "
+                            "(same invariant, same shrunk trace up to renaming requests)")
     add_ray_argument(p)
     p.add_argument("--oracle", default=None, metavar="claims|all|ID,ID",
                    help="invariants that judge the run (default: claims, what the policy guarantees; "
@@ -97,6 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="go on where the last campaign with the same target, policy, oracle, seed and workers "
                         "stopped (each worker's generator state, kept in --out); default: start afresh")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_workers_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """``--workers N|auto``, shared by the campaign commands; ``what`` says what the workers do."""
+    p.add_argument("--workers", type=workers_count, default=1, metavar="N|auto",
+                   help=f"{what}; auto: one per usable core of this machine (default 1)")
 
 
 def add_ray_argument(p: argparse.ArgumentParser) -> None:

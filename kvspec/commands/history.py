@@ -42,7 +42,7 @@ from typing import Any
 
 from kvspec.adapters import vllm_compat as compat
 from kvspec.adapters.targets import raw_target
-from kvspec.commands.fuzz import budget_seconds, workers_count
+from kvspec.commands.fuzz import add_workers_argument, budget_seconds
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError
 from kvspec.drivers.campaign import check_workers, single_threaded
@@ -123,9 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="directory for the shrunk traces (default fuzz-out/history)")
     p.add_argument("--raw", action="store_true",
                    help="fuzz raw:vllm@VERSION: calls the model would refuse reach vLLM (default: vllm@VERSION)")
-    p.add_argument("--workers", type=workers_count, default=1, metavar="N|auto",
-                   help="releases fuzzed at once, each in its own venv's process; auto: one per usable core "
-                        "of this machine (default 1)")
+    add_workers_argument(p, "releases fuzzed at once, each in its own venv's process")
     p.add_argument("--worker", metavar="VERSION", default=None, help=argparse.SUPPRESS)
 
 

@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 
 from kvspec.adapters.targets import get_factory
-from kvspec.commands.fuzz import add_ray_argument, budget_seconds, workers_count
+from kvspec.commands.fuzz import add_ray_argument, add_workers_argument, budget_seconds
 from kvspec.contract.errors import ConfigError
 from kvspec.drivers.campaign import check_ray, check_workers, map_jobs
 from kvspec.drivers.harness import default_oracle, generate, run_ops
@@ -40,9 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds for the conformance campaign (default 60)")
     p.add_argument("--bug-budget", type=budget_seconds, default=5.0, help="seconds per known bug (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of every campaign (default 0)")
-    p.add_argument("--workers", type=workers_count, default=1, metavar="N|auto",
-                   help="processes running stages at once; the stages' results do not depend on it; auto: one "
-                        "per usable core of this machine (default 1)")
+    add_workers_argument(p, "processes running stages at once; the stages' results do not depend on it")
     add_ray_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
