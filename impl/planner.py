@@ -176,15 +176,13 @@ def decide(c: Candidates, k: int, G: int, pools: PoolReads, dedup: SameStepDedup
 def _drop_later_repeats(src: torch.Tensor, ready: torch.Tensor, request: torch.Tensor, k: int,
                         dedup: SameStepDedup) -> torch.Tensor:
     """Step 2: the first request that has a block READY takes it; later ones see it in flight.
-    ``scratch[b]`` = stamp - (first request); stamps only grow, so no reset is needed."""
-    blocks, requests = src[ready], request[ready]
-    if blocks.numel() <= 1:
-        return ready
-    stamps = dedup.stamp_base + k + 1 - requests
-    dedup.scratch.scatter_reduce_(0, blocks, stamps, reduce="amax")
-    late = stamps < dedup.scratch[blocks]
-    if bool(late.any()):
-        ready[ready.nonzero().flatten()[late]] = False
+    Each READY candidate stamps its block with ``stamp_base + k + 1 - request`` (the others with
+    0), ``scratch[b]`` keeps the largest stamp (the first request's); a READY candidate stays
+    READY when its stamp is that largest one. Stamps only grow from call to call, so the scratch
+    needs no reset. Five tensor ops over all candidates, no compaction."""
+    stamps = torch.where(ready, (dedup.stamp_base + k + 1) - request, 0)
+    dedup.scratch.scatter_reduce_(0, src, stamps, reduce="amax")
+    ready &= stamps >= dedup.scratch[src]
     return ready
 
 

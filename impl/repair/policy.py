@@ -145,31 +145,40 @@ class RepairPolicy(ImplStorePolicy):
             self.self_evictions += sum(1 for k in kids if k in judged)
         gone = [kid for kid, f in zip(kids, firsts, strict=True) if f < 0]  # cached nowhere on the CPU now
         self.index.forget_retired(gone)
-        self.index.record_losses(gone, self.ownership.is_live)
+        owners = self.index.owners
+        reads = self.ownership.reads(pos for kid in gone if kid in owners for pos in owners[kid])
+        self.index.record_losses(gone, reads.is_live)
 
     # -- R6-R8: re-stores -----------------------------------------------------------------------------
 
     def repair_candidates(self, finishing: Finishing | None) -> list[Candidate]:
         """Pending records still owned and uncovered, one per key, in record order; drops the rest.
-        ``finishing`` limits them to one request, read on its live table. O(records)."""
+        ``finishing`` limits them to one request, read on its live table. O(records); the
+        records' ownership and coverage are read in one batch (``Ownership.reads``)."""
         own = self.ownership
         stores = self.host.stores
         out: list[Candidate] = []
         keys: set[int] = set()
-        for pos, kid in list(self.index.lost.items()):
+        records = list(self.index.lost.items())
+        if finishing is not None:
+            records = [(pos, kid) for pos, kid in records if pos[0] == finishing.rid]
+            reads = own.reads((), [kid for _, kid in records])
+        else:
+            reads = own.reads([pos for pos, _ in records], [kid for _, kid in records])
+        for pos, kid in records:
             rid, g, p = pos
-            if finishing is not None and rid != finishing.rid:
-                continue
-            slot = stores.slot_of.get(rid)
-            b = None
-            if slot is not None and not stores.finished[slot] and p < own.cursor(slot, g):
-                if finishing is not None:
-                    ids = finishing.block_ids[g]
-                    raw = ids[p] if p < len(ids) else None
-                else:
-                    raw = own.table_id(slot, g, p)
-                b = own.owned_block(slot, g, p, raw)
-            if b is None or own.covered(kid):
+            b = -1 if finishing is not None else reads.owned.get(pos, -1)
+            if b == -1:  # the live table of a finishing request, or a position only the scalar path answers
+                b = None
+                slot = stores.slot_of.get(rid)
+                if slot is not None and not stores.finished[slot] and p < own.cursor(slot, g):
+                    if finishing is not None:
+                        ids = finishing.block_ids[g]
+                        raw = ids[p] if p < len(ids) else None
+                    else:
+                        raw = own.table_id(slot, g, p)
+                    b = own.owned_block(slot, g, p, raw)
+            if b is None or reads.covered(kid):
                 del self.index.lost[pos]
                 continue
             if kid not in keys:
@@ -188,8 +197,9 @@ class RepairPolicy(ImplStorePolicy):
         host = self.host
         pool = host.cpu_pool
         vt = int_tensor(victims, host.device)
-        self.useful_evicted_by_restores += sum(1 for k in pool.key[vt].tolist()
-                                               if not self.victims.acceptable_victim(k))
+        victim_kids = pool.key[vt].tolist()
+        reads = self.victims.reads_for(victim_kids)
+        self.useful_evicted_by_restores += sum(1 for k in victim_kids if not self.victims.acceptable_victim(k, reads))
         taken = wanted[: len(victims)]
         pool.touch_t(vt)
         evicted = Evictions(*pool.evict_t(vt))

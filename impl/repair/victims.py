@@ -12,7 +12,8 @@ useful entry. For n re-stores, victims are taken in this order:
   and takes the useless ones it met last, if still short.
 
 The walk reads the CPU free list in slices and the owner index only for keys that have
-owners. Cost: O(n + retired keys skipped).
+owners; the owners of the keys in (a)'s and (c)'s windows are judged in one batch
+(``Ownership.reads``). Cost: O(n + retired keys skipped).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvspec.impl.facade import SchedulerFacade
 from kvspec.impl.repair.holds import StepHolds
 from kvspec.impl.repair.in_flight import InFlightKeys
 from kvspec.impl.repair.index import LossIndex
-from kvspec.impl.repair.ownership import Ownership
+from kvspec.impl.repair.ownership import Ownership, Reads
 
 
 class VictimChooser:
@@ -33,16 +34,21 @@ class VictimChooser:
         self.ownership = ownership
         self.holds = holds
 
-    def acceptable_victim(self, kid: int, useless_ok: bool = True) -> bool:
+    def reads_for(self, kids: list[int]) -> Reads:
+        """``Ownership.reads`` for every owner of ``kids``."""
+        owners = self.index.owners
+        return self.ownership.reads(pos for kid in kids if kid in owners for pos in owners[kid])
+
+    def acceptable_victim(self, kid: int, reads: Reads, useless_ok: bool = True) -> bool:
         """R7: a free CPU entry holding key ``kid`` (-1: unhashed) may be taken iff unhashed, not
         live, or (``useless_ok``) useless. Every owner of a key has the same prefix, so the first
-        owner's parent is the key's parent."""
+        owner's parent is the key's parent. ``reads``: taken since the last change of state."""
         owners = self.index.owners
-        if kid < 0 or kid not in owners or not self.ownership.is_live(kid):
+        if kid < 0 or kid not in owners or not reads.is_live(kid):
             return True
         if not useless_ok:
             return False
-        return self.ownership.useless(next(iter(owners[kid])))
+        return reads.useless(next(iter(owners[kid])))
 
     def choose_victims(self, n: int) -> list[int]:
         """Up to ``n`` acceptable victims, in the order (a), (b), (c)."""
@@ -60,8 +66,10 @@ class VictimChooser:
         pool = self.host.cpu_pool
         head = pool.free.peek_head(n)
         victims: list[int] = []
-        for cb, kid in zip(head.tolist(), pool.key[head].tolist(), strict=True):
-            if not self.acceptable_victim(kid, useless_ok=False):
+        kids = pool.key[head].tolist()
+        reads = self.reads_for(kids)
+        for cb, kid in zip(head.tolist(), kids, strict=True):
+            if not self.acceptable_victim(kid, reads, useless_ok=False):
                 break
             victims.append(cb)
         return victims
@@ -94,15 +102,17 @@ class VictimChooser:
         walk = pool.free.peek_head(len(chosen) + budget)
         refresh: list[int] = []
         useless: list[int] = []  # acceptable only because their parent is lost: taken last
-        for cb, kid in zip(walk.tolist(), pool.key[walk].tolist(), strict=True):
+        kids = pool.key[walk].tolist()
+        reads = self.reads_for(kids)
+        for cb, kid in zip(walk.tolist(), kids, strict=True):
             if len(victims) >= n or budget <= 0:
                 break
             if cb in chosen:
                 continue
             budget -= 1
-            if self.acceptable_victim(kid, useless_ok=False):
+            if self.acceptable_victim(kid, reads, useless_ok=False):
                 victims.append(cb)
-            elif self.acceptable_victim(kid):
+            elif self.acceptable_victim(kid, reads):
                 useless.append(cb)
             else:
                 refresh.append(cb)
