@@ -341,3 +341,22 @@ def test_a_closed_stdout_is_not_an_error(monkeypatch: pytest.MonkeyPatch, capsys
     finally:
         os.close(r)
         os.close(w)
+
+
+@pytest.mark.parametrize(("target", "policy"), [
+    ("model", "repair"), ("impl", "repair"), ("vllm", "baseline"), ("raw:vllm", "baseline"),
+    ("vllm@0.19.0", "baseline"), ("raw:vllm@0.19.0", "baseline"), ("vllm+pr47235", "signal-rescan"),
+    ("vllm+repair", "repair"), ("bug:vllm-fixme", None), ("bug:self-eviction", None),
+])
+def test_fuzz_default_policy_follows_the_target(target: str, policy: str | None) -> None:
+    """Without ``--policy`` a target that implements one policy is fuzzed under it (a patched vLLM
+    under its patch's, a bug variant under its own); the others under repair."""
+    from kvspec.adapters.vllm_patched import PATCHED_TARGETS
+    from kvspec.commands.fuzz import _default_policy
+    from kvspec.model.bugs import BUGS
+
+    bug = target[4:] if target.startswith("bug:") else None
+    want = BUGS[bug].policy if bug is not None else policy
+    assert _default_policy(target, bug) == want
+    if target in PATCHED_TARGETS:
+        assert PATCHED_TARGETS[target][1] == want

@@ -26,6 +26,7 @@ turns that into an error. ``scripts/lockstep_vllm_patched.py`` runs the long cou
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import random
 from collections.abc import Callable
@@ -153,6 +154,20 @@ def test_kept_snapshots_of_patched_vllm_are_current(target: str, policy: str) ->
     stale, served = stale_snapshots(target, policy, range(6))
     assert stale == []
     assert served > 0
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("target", "policy"), [pytest.param("vllm+pr47235", "signal-rescan", marks=PR),
+                                                pytest.param("vllm+repair", "repair", marks=REPAIR)])
+def test_fuzz_takes_the_patch_s_own_policy_by_default(target: str, policy: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvspec fuzz --target vllm+PATCH`` without ``--policy`` fuzzes under the policy the patch
+    implements (any other is refused), and runs."""
+    from kvspec.cli import main
+
+    code = main(["fuzz", "--target", target, "--budget", "1", "--out", str(tmp_path), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code in (0, 1) and out["policy"] == policy and out["ops"] > 0
 
 
 @pytest.mark.vllm

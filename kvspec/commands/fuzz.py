@@ -74,7 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
     p.add_argument("--target", default="model", help="model, impl, vllm or bug:<name> (default: model)")
     p.add_argument("--policy", default=None, choices=POLICIES,
-                   help="policy (default: repair; baseline for vllm; a bug's own policy for bug:<name>)")
+                   help="policy (default: repair; baseline for vllm, raw:vllm and vllm@VERSION; the patch's own "
+                        "for vllm+pr47235 (signal-rescan) and vllm+repair (repair); a bug's own policy for "
+                        "bug:<name>)")
     p.add_argument("--budget", type=budget_seconds, default=60.0, help="seconds to search (default 60)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed (default 0); with --workers N, worker i runs seed*N+i")
@@ -220,6 +222,10 @@ def _default_policy(target: str, bug: str | None) -> str:
         from kvspec.model.bugs import BUGS
 
         return BUGS[bug].policy
+    from kvspec.adapters.vllm_patched import PATCHED_TARGETS
+
+    if target in PATCHED_TARGETS:  # a patched vLLM implements one policy: its patch's
+        return PATCHED_TARGETS[target][1]
     return "baseline" if target.removeprefix(RAW_PREFIX) == "vllm" or "vllm@" in target else "repair"
 
 
