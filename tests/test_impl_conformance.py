@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +22,9 @@ import torch
 
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.errors import KVSpecError
+from kvspec.drivers import trace as trace_io
 from kvspec.drivers.engine import Engine
+from kvspec.drivers.harness import replay
 from kvspec.drivers.tracegen import random_ops
 from kvspec.impl import make_scheduler as make_impl
 from kvspec.impl.payload import expected_payload
@@ -238,3 +241,21 @@ def test_gpu_pool_face_matches_the_model() -> None:
         assert [model_pool.block_hash[b] for b in range(BASE.num_gpu_blocks)] == \
             [impl_pool.block_hash[b] for b in range(BASE.num_gpu_blocks)]
         assert list(model_pool.ref_cnt) == list(impl_pool.ref_cnt)
+
+
+IMPL_TRACES = sorted((Path(__file__).parent / "traces" / "impl").glob("*.jsonl"))
+
+
+def test_impl_regression_traces_are_shipped() -> None:
+    assert IMPL_TRACES, "tests/traces/impl/ holds the implementation's regression traces"
+
+
+@pytest.mark.parametrize("path", IMPL_TRACES, ids=lambda p: p.stem)
+def test_impl_regression_trace_is_clean_and_agrees_with_the_model(path: Path) -> None:
+    """Traces the fuzzer shrank against broken forms of the implementation (each header's note says
+    which): clean on the implementation under the recorded oracle, and its snapshots equal the
+    model's after every operation."""
+    tr = trace_io.read(path)
+    assert tr.target == "impl" and tr.finding is None and tr.oracle
+    out = replay(tr, make_impl, tr.oracle, reference=make_model)
+    assert not out.failed, out.describe()

@@ -124,13 +124,20 @@ class Ownership:
             return out
         pick = int_tensor(inside, dev)
         blocks = stores.table[slot_t[pick], group_t[pick], int_tensor([todo[i][2] for i in inside], dev)].tolist()
-        G, hids_of = self.host.config.num_groups, stores.hids
+        self._carry_own_keys([todo[i] for i in inside], [slots[i] for i in inside], blocks, out)
+        return out
+
+    def _carry_own_keys(self, positions: list[Position], slots: list[int], blocks: list[int],
+                        out: dict[Position, int | None]) -> None:
+        """The last test of ``owned_block`` for positions below their cursors: the block is not
+        null, carries the request's key for the position and is referenced (one gather of keys
+        and ref counts); a position whose hash ids need syncing gets no entry in ``out``."""
+        G, hids_of = self.host.config.num_groups, self.host.stores.hids
         check: list[Position] = []
         check_blocks: list[int] = []
         want: list[int] = []  # the key each checked block must carry
-        for i, b in zip(inside, blocks, strict=True):
-            pos = todo[i]
-            hids = hids_of[slots[i]]
+        for pos, slot, b in zip(positions, slots, blocks, strict=True):
+            hids = hids_of[slot]
             if b == 0:
                 out[pos] = None
             elif pos[2] < len(hids):
@@ -139,11 +146,10 @@ class Ownership:
                 want.append(hids[pos[2]] * G + pos[1])
         if check:
             gpu = self.host.gpu_pool
-            bt = int_tensor(check_blocks, dev)
+            bt = int_tensor(check_blocks, self.host.device)
             for pos, b, w_key, key, ref in zip(check, check_blocks, want, gpu.key[bt].tolist(), gpu.ref[bt].tolist(),
                                                strict=True):
                 out[pos] = b if key == w_key and ref >= 1 else None
-        return out
 
     def _covered_many(self, kids: list[int]) -> dict[int, bool]:
         """``covered`` per key id: one gather of the CPU prefix index."""
