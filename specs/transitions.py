@@ -39,6 +39,22 @@ def _havoc(enc: Encoding, tag: str) -> Any:
     return enc.array(_fresh(tag))
 
 
+def _retained_copies(enc: Encoding, s: State, g: int) -> tuple[Any, Any, z3.BoolRef]:
+    """Retained copies come and go as the environment frees, touches and evicts GPU blocks (a
+    store's completion may free the last reference to another request's block carrying this
+    request's key): ``kept`` changes freely. A position with a retained copy is hashed (the
+    copy's key is the position's) and not owned, so on a position that is not owned ``hashed``
+    changes with ``kept``: unchanged where ``kept`` is, set where ``kept`` is; an owned
+    position's ``hashed`` stays (these transitions keep ownership). Returns (kept', hashed',
+    the constraint)."""
+    kept2, hashed2 = _havoc(enc, f"kept{g}"), _havoc(enc, f"hash{g}")
+    follows = enc.forall(lambda p: z3.And(
+        z3.Implies(z3.Or(enc.at(kept2, p) == enc.v(s, g, "kept", p), enc.v(s, g, "owned", p)),
+                   enc.at(hashed2, p) == enc.v(s, g, "hashed", p)),
+        z3.Implies(z3.And(enc.at(kept2, p), z3.Not(enc.v(s, g, "owned", p))), enc.at(hashed2, p))))
+    return kept2, hashed2, follows
+
+
 # -- the planning step -----------------------------------------------------------------------
 
 
@@ -137,8 +153,10 @@ def complete(enc: Encoding, policy: str, s: State) -> Step:
             z3.Implies(enc.at(d, p), enc.v(s, g, "infl", p)),
             z3.Implies(enc.at(i2, p), enc.v(s, g, "infl", p)),
             z3.Implies(z3.And(enc.v(s, g, "infl", p), z3.Not(enc.at(i2, p))), enc.at(d, p)))))
+        kept2, hashed2, follows = _retained_copies(enc, s, g)
+        cons.append(follows)
         post = post.with_group(
-            g, infl=infl2, cfree=_havoc(enc, f"cfree{g}"), kept=_havoc(enc, f"kept{g}"),
+            g, infl=infl2, cfree=_havoc(enc, f"cfree{g}"), kept=kept2, hashed=hashed2,
             cached=enc.table(lambda p, g=g, d=done: z3.Or(enc.v(s, g, "cached", p), enc.at(d, p))))
     return Step(post, cons)
 
@@ -152,7 +170,9 @@ def env_store(enc: Encoding, policy: str, s: State) -> Step:
     for g in range(enc.G):
         infl2 = _havoc(enc, f"infl{g}")
         cons.append(enc.forall(lambda p, g=g, i2=infl2: z3.Implies(enc.v(s, g, "infl", p), enc.at(i2, p))))
-        post = post.with_group(g, infl=infl2, cfree=_havoc(enc, f"cfree{g}"), kept=_havoc(enc, f"kept{g}"))
+        kept2, hashed2, follows = _retained_copies(enc, s, g)
+        cons.append(follows)
+        post = post.with_group(g, infl=infl2, cfree=_havoc(enc, f"cfree{g}"), kept=kept2, hashed=hashed2)
     return Step(post, cons)
 
 
