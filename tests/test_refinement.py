@@ -322,3 +322,45 @@ def test_a_completion_that_frees_a_retained_copy_is_admitted() -> None:
     pre, post = abstract_snapshot(before)["r14"].groups[0], abstract_snapshot(after)["r14"].groups[0]
     assert (pre.bits["kept"][1], pre.bits["hashed"][1], pre.bits["owned"][1]) == (False, False, False)
     assert (post.bits["kept"][1], post.bits["hashed"][1]) == (True, True)
+
+
+FLAG_TRACE = Path(__file__).parent / "traces" / "oracle" / "r1-signal-rescan-flag-read-at-build-start.jsonl"
+
+
+@pytest.mark.xfail(strict=True, reason="known R1 false alarm: the encoding's plan reads the signal-rescan flag "
+                                       "at the focal request's scan, the code once at the start of the build")
+def test_evictions_earlier_in_the_build_do_not_make_the_scan_rescan() -> None:
+    """Found by ``kvspec fuzz --refine --policy signal-rescan``: the flag is clear when step 37
+    starts; r11, scanned before r9 in the same build, evicts r9's cached copies (positions 1-3),
+    which sets the flag for the next build; r9's scan reads the flag the build started with and
+    does not rescan ``[0, cursor)`` (vLLM + pr47235 does the same, in lockstep). In the template
+    (``evict ; env-store ; plan``) that eviction sets the flag before ``plan`` reads it, so the
+    encoding demands a rescan of position 0 and R1 rejects a correct step. The fix needs the
+    build's flag as a latch in the encoding's state; strict: a fix makes this test pass, and the
+    marker must then go."""
+    from kvspec.drivers import trace as trace_io
+    from kvspec.drivers.harness import replay
+
+    tr = trace_io.read(FLAG_TRACE)
+    out = replay(tr, make_scheduler, tr.oracle, refine=True)
+    assert not out.failed, out.describe()
+
+
+def test_the_flag_trace_shows_the_build_that_sets_the_flag() -> None:
+    """The known false alarm's trace (above) is what it says: step 37 starts with the flag clear,
+    evicts r9's cached copies and leaves the flag set; r9 does not rescan position 0; the model
+    itself breaks no invariant there, and R1 is what rejects it."""
+    from kvspec.drivers import trace as trace_io
+    from kvspec.drivers.harness import VIOLATION, replay
+
+    tr = trace_io.read(FLAG_TRACE)
+    (before, after), = [(b, a) for i, _, b, a in _accepted(tr.config, tr.ops) if i == 37]
+    assert before["scheduler"]["policy_state"]["eviction_flag"] is False
+    assert after["scheduler"]["policy_state"]["eviction_flag"] is True
+    pre, post = abstract_snapshot(before)["r9"].groups[0], abstract_snapshot(after)["r9"].groups[0]
+    assert (pre.cur, pre.bits["cached"][1:4], pre.bits["infl"][0]) == (1, (True, True, True), False)
+    assert post.bits["cached"][1:4] == (False, False, False) and post.bits["infl"][0] is False
+    assert not replay(tr, make_scheduler, tr.oracle).failed
+    out = replay(tr, make_scheduler, tr.oracle, refine=True)
+    assert out.kind == VIOLATION and out.op_index == 37 and out.violation is not None
+    assert out.violation.id == REFINEMENT_ID
