@@ -652,10 +652,14 @@ def _instances(hypotheses: list[z3.BoolRef], points: list[z3.ArithRef]) -> list[
 
 def existence_every_n(policy: str) -> tuple[str, str, dict[str, Any]]:
     """Every transition has a successor for every N (Quant, one group): the pointwise lemma for
-    the environment and bookkeeping transitions, the scan lemma for the plan."""
-    out = [(name, *pointwise_exists(policy, name)) for name, _ in transitions_for(policy) if name != "plan"]
+    the environment and bookkeeping transitions, the scan lemma for the plan. signal-rescan's
+    ``scan-latched`` is the plan's scan with Phase 1a decided by an input instead of the state's
+    flag; its constraints are the plan's on the state with that flag, and the scan lemma holds for
+    every flag (nothing it assumes reads it), so the same lemma covers it."""
+    scans = ("plan", "scan-latched")
+    out = [(name, *pointwise_exists(policy, name)) for name, _ in transitions_for(policy) if name not in scans]
     r, d, _ = scan_exists(policy)
-    return _all_steps([*out, ("plan", r, d)])
+    return _all_steps([*out, *((name, r, d) for name, _ in transitions_for(policy) if name in scans)])
 
 
 # -- cover: a witness run for each branch the proofs rely on -----------------------------------

@@ -250,6 +250,9 @@ def abstract_snapshot(snap: Mapping[str, Any]) -> dict[str, AbstractRequest]:
 
 
 PLAN_STEP = ("sliding-free", "schedule", "evict", "env-store", "plan", "evict", "env-store")
+# signal-rescan reads its flag once per build, before the allocations of the requests scanned
+# ahead of the focal one: the plan split in two around them (``consume`` ... ``scan-latched``)
+LATCHED_PLAN_STEP = ("sliding-free", "schedule", "consume", "evict", "env-store", "scan-latched", "evict", "env-store")
 REPAIR_STEP = ("repair-phase", "evict", "env-store")
 AFTER_STEP = ("schedule", "sliding-free")  # computed tokens advance after the planning step
 FLUSH = ("evict", "env-store", "evict", "env-store")  # a finish flush: CPU allocations, stores
@@ -296,7 +299,8 @@ def _step_template(policy: str, op: Mapping[str, Any], rid: str, pre: AbstractRe
     if stops:
         stopped = pre.active and not post.active and post.status in (FINISHED, None)
         tail = ("schedule", *FLUSH * stops, *(("finish",) if stopped else ()))
-    return (*head, *PLAN_STEP, *(REPAIR_STEP if policy == "repair" else ()), *AFTER_STEP, *tail)
+    plan = LATCHED_PLAN_STEP if policy == "signal-rescan" else PLAN_STEP
+    return (*head, *plan, *(REPAIR_STEP if policy == "repair" else ()), *AFTER_STEP, *tail)
 
 
 def template(policy: str, op: Mapping[str, Any], rid: str, pre: AbstractRequest,
@@ -388,12 +392,18 @@ def chain(policy: str, slots: tuple[str, ...], kinds: tuple[str, ...], M: int) -
     if policy == "repair" and not tpl.fresh:
         sv.add(registered(enc, pre))  # the ghost owner index satisfies the proved invariant
     s = pre
+    read = None  # the flag the build read (``consume``), which ``scan-latched`` decides by
     for name in tpl.steps:
         fn, pols = TRANSITIONS[name]
         assert policy in pols, f"{name} is not a {policy} transition"
+        if name == "consume":
+            read = s.flag
         st = fn(enc, policy, s)
         sv.add(*st.constraints, *(st.inputs[f"edge{g}"] <= 0 for g, k in enumerate(kinds)
                                   if name == "sliding-free" and k != "sliding"))
+        if name == "scan-latched":
+            assert read is not None, "scan-latched without the consume that starts its build"
+            sv.add(st.inputs["rescan"] == read)
         s = st.post
     return _Chain(enc, pre, s, sv)
 

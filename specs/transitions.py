@@ -64,10 +64,34 @@ def plan_scan(enc: Encoding, policy: str, s: State) -> Step:
     Inputs: ``free`` (CPU free count when the request's scan starts), ``scheduled``
     (the request is in this step's output with tokens). ``signal-rescan`` consumes the
     flag whether or not the focal request is scheduled, and rescans iff it was set."""
+    return _scan(enc, policy, s, s.flag, keep_flag=False)
+
+
+def consume_flag(enc: Encoding, policy: str, s: State) -> Step:
+    """signal-rescan: ``build_connector_meta`` starts. The eviction flag is read once for the
+    whole build (every scan in it rescans iff it was set) and cleared; evictions later in the
+    same build set it again, for the next build. ``plan`` is this and ``scan-latched`` at once;
+    the refinement's step templates put the build's other allocations between the two."""
+    return Step(_keep(s, flag=z3.BoolVal(False)), [])
+
+
+def scan_latched(enc: Encoding, policy: str, s: State) -> Step:
+    """signal-rescan: the focal request's scan in a build that ``consume`` started: Phase 1a
+    runs iff the input ``rescan`` (the flag the build read) is set; the flag stays as the
+    build's evictions left it."""
+    rescan = z3.Bool(_fresh("rescan"))
+    st = _scan(enc, policy, s, rescan, keep_flag=True)
+    st.inputs["rescan"] = rescan
+    return st
+
+
+def _scan(enc: Encoding, policy: str, s: State, rescan: z3.BoolRef, keep_flag: bool) -> Step:
+    """The focal request's scan with Phase 1a decided by ``rescan``; signal-rescan's flag is
+    cleared unless ``keep_flag``."""
     free = z3.Int(_fresh("free"))
     scheduled = z3.Bool(_fresh("scheduled"))
-    sc = enc.scan(policy, s, free, scheduled, s.flag)
-    post = _keep(s, flag=z3.BoolVal(False) if policy == "signal-rescan" else s.flag)
+    sc = enc.scan(policy, s, free, scheduled, rescan)
+    post = _keep(s, flag=z3.BoolVal(False) if policy == "signal-rescan" and not keep_flag else s.flag)
     for g in range(enc.G):
         grp = s.groups[g]
         sel_b, sel_a = sc.sel[g], sc.rescan[g]
@@ -284,6 +308,8 @@ TransitionFn = Callable[[Encoding, str, State], Step]
 
 TRANSITIONS: dict[str, tuple[TransitionFn, tuple[str, ...]]] = {
     "plan": (plan_scan, ("baseline", "signal-rescan", "repair")),
+    "consume": (consume_flag, ("signal-rescan",)),
+    "scan-latched": (scan_latched, ("signal-rescan",)),
     "repair-phase": (repair_phase, ("repair",)),
     "evict": (evict, ("baseline", "signal-rescan", "repair")),
     "complete": (complete, ("baseline", "signal-rescan", "repair")),

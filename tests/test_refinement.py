@@ -327,17 +327,15 @@ def test_a_completion_that_frees_a_retained_copy_is_admitted() -> None:
 FLAG_TRACE = Path(__file__).parent / "traces" / "oracle" / "r1-signal-rescan-flag-read-at-build-start.jsonl"
 
 
-@pytest.mark.xfail(strict=True, reason="known R1 false alarm: the encoding's plan reads the signal-rescan flag "
-                                       "at the focal request's scan, the code once at the start of the build")
 def test_evictions_earlier_in_the_build_do_not_make_the_scan_rescan() -> None:
     """Found by ``kvspec fuzz --refine --policy signal-rescan``: the flag is clear when step 37
     starts; r11, scanned before r9 in the same build, evicts r9's cached copies (positions 1-3),
     which sets the flag for the next build; r9's scan reads the flag the build started with and
-    does not rescan ``[0, cursor)`` (vLLM + pr47235 does the same, in lockstep). In the template
-    (``evict ; env-store ; plan``) that eviction sets the flag before ``plan`` reads it, so the
-    encoding demands a rescan of position 0 and R1 rejects a correct step. The fix needs the
-    build's flag as a latch in the encoding's state; strict: a fix makes this test pass, and the
-    marker must then go."""
+    does not rescan ``[0, cursor)`` (vLLM + pr47235 does the same, in lockstep). With the whole
+    plan one transition after that eviction (``evict ; env-store ; plan``), the eviction set the
+    flag before the plan read it, so the encoding demanded a rescan of position 0 and R1 rejected
+    a correct step. The step template now reads the flag when the build starts (``consume``) and
+    scans with what it read (``scan-latched``)."""
     from kvspec.drivers import trace as trace_io
     from kvspec.drivers.harness import replay
 
@@ -347,11 +345,12 @@ def test_evictions_earlier_in_the_build_do_not_make_the_scan_rescan() -> None:
 
 
 def test_the_flag_trace_shows_the_build_that_sets_the_flag() -> None:
-    """The known false alarm's trace (above) is what it says: step 37 starts with the flag clear,
-    evicts r9's cached copies and leaves the flag set; r9 does not rescan position 0; the model
-    itself breaks no invariant there, and R1 is what rejects it."""
+    """The trace above is what it says: step 37 starts with the flag clear, evicts r9's cached
+    copies and leaves the flag set; r9 does not rescan position 0; the model breaks no invariant
+    there. With the plan read as one transition (the old template) R1 rejects the step."""
     from kvspec.drivers import trace as trace_io
     from kvspec.drivers.harness import VIOLATION, replay
+    from kvspec.specs import refinement
 
     tr = trace_io.read(FLAG_TRACE)
     (before, after), = [(b, a) for i, _, b, a in _accepted(tr.config, tr.ops) if i == 37]
@@ -361,6 +360,8 @@ def test_the_flag_trace_shows_the_build_that_sets_the_flag() -> None:
     assert (pre.cur, pre.bits["cached"][1:4], pre.bits["infl"][0]) == (1, (True, True, True), False)
     assert post.bits["cached"][1:4] == (False, False, False) and post.bits["infl"][0] is False
     assert not replay(tr, make_scheduler, tr.oracle).failed
-    out = replay(tr, make_scheduler, tr.oracle, refine=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(refinement, "LATCHED_PLAN_STEP", refinement.PLAN_STEP)
+        out = replay(tr, make_scheduler, tr.oracle, refine=True)
     assert out.kind == VIOLATION and out.op_index == 37 and out.violation is not None
     assert out.violation.id == REFINEMENT_ID
