@@ -249,10 +249,13 @@ def abstract_snapshot(snap: Mapping[str, Any]) -> dict[str, AbstractRequest]:
 # -- templates: which transitions one engine operation is ----------------------------------
 
 
-PLAN_STEP = ("sliding-free", "schedule", "evict", "env-store", "plan", "evict", "env-store")
+# the environment before the focal scan: pins released (a finished load's), then allocations
+# evicting the copies so freed, then other stores and pins
+PLAN_STEP = ("sliding-free", "schedule", "env-store", "evict", "env-store", "plan", "evict", "env-store")
 # signal-rescan reads its flag once per build, before the allocations of the requests scanned
 # ahead of the focal one: the plan split in two around them (``consume`` ... ``scan-latched``)
-LATCHED_PLAN_STEP = ("sliding-free", "schedule", "consume", "evict", "env-store", "scan-latched", "evict", "env-store")
+LATCHED_PLAN_STEP = ("sliding-free", "schedule", "consume", "env-store", "evict", "env-store", "scan-latched",
+                     "evict", "env-store")
 REPAIR_STEP = ("repair-phase", "evict", "env-store")
 AFTER_STEP = ("schedule", "sliding-free")  # computed tokens advance after the planning step
 FLUSH = ("evict", "env-store", "evict", "env-store")  # a finish flush: CPU allocations, stores

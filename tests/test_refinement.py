@@ -365,3 +365,23 @@ def test_the_flag_trace_shows_the_build_that_sets_the_flag() -> None:
         out = replay(tr, make_scheduler, tr.oracle, refine=True)
     assert out.kind == VIOLATION and out.op_index == 37 and out.violation is not None
     assert out.violation.id == REFINEMENT_ID
+
+
+def test_a_copy_unpinned_and_evicted_before_the_scan_is_admitted() -> None:
+    """Found by ``--refine`` campaigns on sliding-window configurations (baseline, synchronous
+    scheduling): r0's two cached copies in group 0 are pinned (its load) when step 31 starts; in
+    the step the pins are released, other requests' allocations evict the copies, and r0's scan
+    finds the positions uncached and stores them again. The step template had the environment
+    evict before it released pins (``evict ; env-store ; plan``), so a copy pinned at the start
+    could not be evicted before the scan, and R1 rejected a correct step; the template now lets
+    the environment release pins first (``env-store ; evict ; env-store ; plan``)."""
+    from kvspec.drivers import trace as trace_io
+    from kvspec.drivers.harness import replay
+
+    tr = trace_io.read(Path(__file__).parent / "traces" / "oracle" / "r1-load-pin-released-then-evicted.jsonl")
+    (before, after), = [(b, a) for i, _, b, a in _accepted(tr.config, tr.ops) if i == 31]
+    pre, post = abstract_snapshot(before)["r0"].groups[0], abstract_snapshot(after)["r0"].groups[0]
+    assert pre.bits["cached"][:2] == (True, True) and pre.bits["cfree"][:2] == (False, False)
+    assert post.bits["cached"][:2] == (False, False) and post.bits["infl"][:2] == (True, True)
+    out = replay(tr, make_scheduler, tr.oracle, refine=True)
+    assert not out.failed, out.describe()
