@@ -67,7 +67,7 @@ class Ownership:
             return None
         return int(stores.table[slot, g, p])
 
-    def reads(self, positions: Iterable[Position], kids: Iterable[int] = ()) -> "Reads":
+    def reads(self, positions: Iterable[Position], kids: Iterable[int] = ()) -> Reads:
         """``Reads`` answering ``owns_below_cursor`` (with the owned block) for ``positions`` and
         ``covered`` for ``kids`` and for the chain parents of ``positions`` (what ``useless``
         asks); three rounds of gathers. O(positions + kids)."""
@@ -181,12 +181,16 @@ class Ownership:
     def useless(self, pos: Position) -> bool:
         """The key at ``pos`` is *useless*: its chain parent (the key one position earlier) is not
         covered, so no lookup can reach it. A first position has no parent: never useless."""
+        parent = self.parent_key(pos)
+        return parent is not None and not self.covered(parent)
+
+    def parent_key(self, pos: Position) -> int | None:
+        """The key one position before ``pos`` in its request's chain (None at position 0)."""
         rid, g, p = pos
         if p == 0:
-            return False
+            return None
         stores = self.host.stores
-        hids = stores.sync_hids(stores.slot_of[rid])
-        return not self.covered(hids[p - 1] * self.host.config.num_groups + g)
+        return stores.sync_hids(stores.slot_of[rid])[p - 1] * self.host.config.num_groups + g
 
 
 class Reads:
@@ -215,9 +219,5 @@ class Reads:
 
     def useless(self, pos: Position) -> bool:
         """``Ownership.useless``."""
-        rid, g, p = pos
-        if p == 0:
-            return False
-        stores = self.ownership.host.stores
-        hids = stores.sync_hids(stores.slot_of[rid])
-        return not self.covered(hids[p - 1] * self.ownership.host.config.num_groups + g)
+        parent = self.ownership.parent_key(pos)
+        return parent is not None and not self.covered(parent)
