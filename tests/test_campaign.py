@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,63 @@ def test_a_resumed_campaign_goes_on_where_it_stopped(tmp_path: Path, capsys: pyt
     assert "resumed a campaign of" in capsys.readouterr().out
     Path(first["campaign"]["state"]).write_text("{not json")
     assert main([*argv, "--resume"]) == 2
+
+
+def test_configs_pins_every_drawn_configuration_and_leaves_the_rest_drawn() -> None:
+    """``random_config`` with ``ConfigPins``: a pinned feature holds in every configuration, and
+    without pins the draws are the usual ones (same configurations for the same seed)."""
+    from kvspec.drivers.opgen import ConfigPins, RandomChoices, parse_pins, random_config
+
+    def draws(pins: ConfigPins, seed: int = 3) -> list[Any]:
+        rng = random.Random(seed)
+        return [random_config(RandomChoices(rng), "repair", pins=pins) for _ in range(200)]
+
+    plain = draws(ConfigPins())
+    assert plain == [random_config(RandomChoices(r), "repair") for r in [random.Random(3)] for _ in range(200)]
+    # the draws alone give every feature both ways, so each pin below changes something
+    assert {len(c.groups) for c in plain} == {1, 2} and {c.async_scheduling for c in plain} == {True, False}
+    assert {c.num_speculative_tokens > 0 for c in plain} == {True, False}
+    for words, holds in [
+        ("sliding", lambda c: len(c.groups) == 2 and c.groups[1].kind == "sliding"),
+        ("full", lambda c: len(c.groups) == 1),
+        ("sync", lambda c: not c.async_scheduling),
+        ("async,spec", lambda c: c.async_scheduling and 1 <= c.num_speculative_tokens <= 3),
+        ("no-spec,sliding,sync", lambda c: c.num_speculative_tokens == 0 and len(c.groups) == 2
+         and not c.async_scheduling),
+    ]:
+        pins = parse_pins(words)
+        assert sorted(pins.words()) == sorted(words.split(","))
+        pinned = draws(pins)
+        assert all(holds(c) for c in pinned), words
+        assert len({c.num_gpu_blocks for c in pinned}) > 1  # the sizes are still drawn
+    for bad, why in [("slidng", "unknown word 'slidng'"), ("", "unknown word ''"),
+                     ("sync,async", "'async' and 'sync' contradict"), ("spec,no-spec", "contradict")]:
+        with pytest.raises(ConfigError, match=why):
+            parse_pins(bad)
+
+
+def test_a_campaign_with_configs_fuzzes_only_those_configurations(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kvspec fuzz --configs``: every configuration the campaign runs has the pinned features, the
+    report names them, and the campaign state (``--resume``) is kept apart from the unpinned one."""
+    from kvspec.drivers import harness
+
+    seen: list[Any] = []
+    real = harness.generate
+
+    def generate(cfg: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(cfg)
+        return real(cfg, *args, **kwargs)
+
+    monkeypatch.setattr(harness, "generate", generate)
+    argv = ["fuzz", "--budget", "1", "--out", str(tmp_path), "--json", "--configs", "sliding,sync,spec"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["configs"] == ["sliding", "sync", "spec"] and out["traces"] == len(seen) > 0
+    assert all(len(c.groups) == 2 and not c.async_scheduling and c.num_speculative_tokens for c in seen)
+    assert "configs-sliding+sync+spec" in out["campaign"]["state"]
+    assert main(argv[:-2]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["configs"] == [] and plain["campaign"]["state"] != out["campaign"]["state"]
+    assert main([*argv, "--resume"]) == 0
+    assert json.loads(capsys.readouterr().out)["campaign"]["traces_before"] == out["traces"]

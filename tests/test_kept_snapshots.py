@@ -128,7 +128,7 @@ def test_the_fuzzer_counts_and_explains_replays(capsys: pytest.CaptureFixture[st
     steady = harness.fuzz(make, "repair", budget=0.5, seed=0)
     assert steady.traces > 0 and steady.replays == {}
     _print_report({"interrupted": False, "workers": 1, "traces": res.traces, "ops": res.ops, "seconds": 1.0,
-                   "ops_per_second": 1.0, "target": "model", "policy": "repair", "oracle": "claims",
+                   "ops_per_second": 1.0, "target": "model", "policy": "repair", "oracle": "claims", "configs": [],
                    "campaign": {"resumed": False}, "rejected": 0, "rare_paths": {}, "replays": res.replays,
                    "findings": []})
     assert f"WARNING: {res.traces} trace(s) replayed (stale snapshot)" in capsys.readouterr().out

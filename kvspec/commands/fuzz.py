@@ -39,6 +39,7 @@ from kvspec.drivers.campaign import (
     worker_seeds,
 )
 from kvspec.drivers.harness import REPLAYS, FuzzResult, _slug, check_writable, finding_name, fuzz, save_trace
+from kvspec.drivers.opgen import CONFIG_WORDS, ConfigPins, parse_pins
 from kvspec.drivers.trace import Trace
 from kvspec.oracle import oracles
 from kvspec.report.html import page_for_trace
@@ -89,13 +90,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refine", action="store_true",
                    help="also check refinement (R1) after every accepted operation: each request's step is one "
                         "the proofs' transitions (kvspec.specs.transitions) admit; a rejection is a finding")
+    p.add_argument("--configs", default=None, metavar="WORD,WORD",
+                   help="draw only configurations with these features, to aim a campaign at a rare class: "
+                        f"{', '.join(CONFIG_WORDS)} (a sliding-window group or none, async or synchronous "
+                        "scheduling, speculative decoding or none; default: all drawn, a sliding-window group "
+                        "3 times in 10, synchronous scheduling and speculative decoding each 1 time in 4)")
     p.add_argument("--raw", action="store_true",
                    help="real vLLM only: calls the model would refuse reach vLLM (target raw:vllm, raw:vllm@VERSION)")
     p.add_argument("--out", default="fuzz-out",
                    help="directory for finding traces and the campaign's state file (default fuzz-out)")
     p.add_argument("--resume", action="store_true",
-                   help="go on where the last campaign with the same target, policy, oracle, seed and workers "
-                        "stopped (each worker's generator state, kept in --out); default: start afresh")
+                   help="go on where the last campaign with the same target, policy, oracle, configs, seed and "
+                        "workers stopped (each worker's generator state, kept in --out); default: start afresh")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -125,6 +131,7 @@ class Job:
     quiet: bool  # no progress or "finding written" lines (--json, more than one worker, or Ray)
     resume: dict[int, list[Any]] = field(default_factory=dict)  # seed -> generator state to go on from
     refine: bool = False  # the refinement check (R1) after every accepted operation
+    pins: ConfigPins = ConfigPins()  # --configs: features every drawn configuration has
 
 
 PROGRESS_EVERY_S = 10.0  # progress lines of a run whose stderr is not a terminal
@@ -162,7 +169,7 @@ def fuzz_one(job: Job, seed: int) -> WorkerResult:
             print(line, file=sys.stderr)
 
     done.result = fuzz(factory, job.policy, job.budget, seed, job.oracle, job.target, progress=progress,
-                       bug=bug, on_finding=keep, refine=job.refine, resume=job.resume.get(seed))
+                       bug=bug, on_finding=keep, refine=job.refine, resume=job.resume.get(seed), pins=job.pins)
     return done
 
 
@@ -186,6 +193,7 @@ def _save_here(job: Job, results: list[WorkerResult]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     oracles.check_spec(args.oracle)
+    pins = parse_pins(args.configs) if args.configs is not None else ConfigPins()
     workers = check_workers(args.workers, args.ray)
     if args.raw:
         args.target = raw_target(args.target)
@@ -198,10 +206,11 @@ def run(args: argparse.Namespace) -> int:
     policy = args.policy or policy
     check_writable(args.out)
     quiet = args.json or workers > 1 or ray is not None
-    state = CampaignState.at(Path(args.out), args.target, policy, _oracle_label(args.oracle), args.seed, workers)
+    state = CampaignState.at(Path(args.out), args.target, policy, _oracle_label(args.oracle), args.seed, workers,
+                             pins)
     if args.resume:
         state.load()
-    job = Job(args.target, policy, args.budget, args.oracle, str(args.out), quiet, state.states, args.refine)
+    job = Job(args.target, policy, args.budget, args.oracle, str(args.out), quiet, state.states, args.refine, pins)
     start = time.monotonic()
     if (workers > 1 or ray is not None) and not args.json:
         where = f" as Ray tasks on {ray}" if ray else ""
@@ -211,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     if ray is not None:
         _save_here(job, results)
     state.save(results)
-    report(args, results, policy, time.monotonic() - start, state)
+    report(args, results, policy, time.monotonic() - start, state, pins)
     if any(w.result.interrupted for w in results):
         return EXIT_INTERRUPTED
     return EXIT_FINDING if any(w.result.found for w in results) else EXIT_CLEAN
@@ -236,7 +245,8 @@ def _oracle_label(spec: str | None) -> str:
 @dataclass
 class CampaignState:
     """Where a campaign stopped: each worker's generator state and the totals so far, kept as JSON
-    in the output directory under a name made of target, policy, oracle, seed and workers."""
+    in the output directory under a name made of target, policy, oracle, the ``--configs`` pins
+    (when any), seed and workers."""
 
     path: Path
     states: dict[int, list[Any]] = field(default_factory=dict)
@@ -244,8 +254,10 @@ class CampaignState:
     ops: int = 0
 
     @classmethod
-    def at(cls, out: Path, target: str, policy: str, oracle: str, seed: int, workers: int) -> CampaignState:
-        name = "-".join(_slug(x) for x in (target, policy, oracle, f"seed{seed}", f"workers{workers}"))
+    def at(cls, out: Path, target: str, policy: str, oracle: str, seed: int, workers: int,
+           pins: ConfigPins = ConfigPins()) -> CampaignState:
+        configs = ["configs-" + "+".join(pins.words())] if pins.words() else []
+        name = "-".join(_slug(x) for x in (target, policy, oracle, *configs, f"seed{seed}", f"workers{workers}"))
         return cls(out / f"campaign-{name}.json")
 
     def load(self) -> None:
@@ -267,7 +279,7 @@ class CampaignState:
 
 
 def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, wall: float,
-           state: CampaignState) -> None:
+           state: CampaignState, pins: ConfigPins = ConfigPins()) -> None:
     """The campaign's statistics and its distinct findings, as text or one JSON object."""
     distinct = Distinct()
     for w in results:
@@ -289,7 +301,7 @@ def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, w
     interrupted = any(w.result.interrupted for w in results)
     found = any(w.result.found for w in results)
     out: dict[str, Any] = {
-        "target": args.target, "policy": policy, "oracle": res.oracle, "found": found,
+        "target": args.target, "policy": policy, "oracle": res.oracle, "configs": pins.words(), "found": found,
         "kind": res.kind, "interrupted": interrupted, "seconds": round(wall if len(results) > 1 else res.seconds, 3),
         "traces": sum(w.result.traces for w in results), "ops": ops, "ops_per_second": round(rate, 1),
         "rejected": rejected, "rare_paths": rare, "replays": replays,
@@ -318,10 +330,11 @@ def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, w
 def _print_report(out: dict[str, Any]) -> None:
     print(file=sys.stderr)
     state = " (interrupted)" if out["interrupted"] else ""
+    configs = f", configs: {', '.join(out['configs'])}" if out["configs"] else ""
     workers = f" on {out['workers']} workers" if out["workers"] > 1 else ""
     print(f"{out['traces']} traces, {out['ops']} operations in {out['seconds']:.1f}s{workers} "
           f"({out['ops_per_second']:.0f} checked ops/s), target {out['target']}, policy {out['policy']}, "
-          f"oracle: {out['oracle']}{state}")
+          f"oracle: {out['oracle']}{configs}{state}")
     if out["campaign"]["resumed"]:
         print(f"  resumed a campaign of {out['campaign']['traces_before']} traces, "
               f"{out['campaign']['ops_before']} operations ({out['campaign']['state']})")

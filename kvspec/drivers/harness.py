@@ -42,6 +42,7 @@ from kvspec.contract.errors import KVSpecError
 from kvspec.drivers.engine import OBSERVATIONS, Engine
 from kvspec.drivers.opgen import (
     FUZZ_MIX,
+    ConfigPins,
     HypothesisChoices,
     OpGenerator,
     OpMix,
@@ -575,13 +576,14 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
          progress: Callable[[int, int, float], None] | None = None,
          config_for: Callable[[random.Random], OffloadConfig] | None = None,
          bug: str | None = None, on_finding: FindingSink | None = None, refine: bool = False,
-         resume: list[Any] | None = None) -> FuzzResult:
+         resume: list[Any] | None = None, pins: ConfigPins = ConfigPins()) -> FuzzResult:
     """Random traces until a finding or ``budget`` seconds. ``oracle`` is an oracle spec
     (``kvspec.oracle.resolve``: None/``claims``, ``all`` or ids), resolved for each random
     configuration; ``bug`` names the known-bug variant under test. A finding is handed to
     ``on_finding`` unshrunk, then shrunk; Ctrl-C returns what was found so far. ``refine`` adds
     the refinement check (R1, ``kvspec.specs.refinement``) after every accepted operation.
-    ``resume``: a ``rng_state`` of an earlier run with the same seed, to go on where it stopped."""
+    ``resume``: a ``rng_state`` of an earlier run with the same seed, to go on where it stopped.
+    ``pins``: features every random configuration has (``random_config``; not with ``config_for``)."""
     rng = random.Random(seed)
     if resume is not None:
         version, internal, gauss = resume
@@ -591,7 +593,7 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
     res = FuzzResult(False, 0.0, 0, 0, rare=rare.counts)
     try:
         while time.monotonic() - start < budget:
-            cfg = config_for(rng) if config_for else random_config(RandomChoices(rng), policy, lazy)
+            cfg = config_for(rng) if config_for else random_config(RandomChoices(rng), policy, lazy, pins=pins)
             orc = claimed.resolve(oracle, cfg, bug)
             res.oracle = orc.name
             trace_ops, out = generate(cfg, factory, rng, ops_per_trace, orc.ids, rare, refine=refine)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.contract.errors import ConfigError, echo
 from kvspec.drivers.engine import FINISHED, LOADED, PREEMPTED, RUNNING, WAITING, Engine
 
 T = TypeVar("T")
@@ -157,20 +158,61 @@ class HypothesisChoices:
 # -- configurations --------------------------------------------------------------------------
 
 
-def random_config(choices: Choices, policy: str, lazy: bool = False, block_size: int = 16) -> OffloadConfig:
+@dataclass(frozen=True)
+class ConfigPins:
+    """Features that every configuration ``random_config`` draws must have; None leaves the feature
+    to the draw. A campaign aimed at a rare class of configurations pins it (``kvspec fuzz
+    --configs``): the draws give a sliding-window group three times in ten, synchronous scheduling
+    one time in four and speculative decoding one time in four."""
+
+    sliding: bool | None = None  # a sliding-window group beside the full-attention one
+    async_scheduling: bool | None = None
+    spec: bool | None = None  # n-gram speculative decoding (one to three draft tokens)
+
+    def words(self) -> list[str]:
+        """The ``--configs`` words that give these pins, in ``CONFIG_WORDS`` order."""
+        return [w for w, (name, value) in CONFIG_WORDS.items() if getattr(self, name) is value]
+
+
+CONFIG_WORDS: dict[str, tuple[str, bool]] = {
+    "sliding": ("sliding", True), "full": ("sliding", False),
+    "async": ("async_scheduling", True), "sync": ("async_scheduling", False),
+    "spec": ("spec", True), "no-spec": ("spec", False),
+}
+"""``--configs`` words: each pins one ``ConfigPins`` feature to a value."""
+
+
+def parse_pins(text: str) -> ConfigPins:
+    """``ConfigPins`` from comma-separated ``CONFIG_WORDS`` (e.g. ``sliding,sync``); an unknown
+    word, or two words that pin one feature both ways, is a ``ConfigError`` naming it. O(words)."""
+    pins: dict[str, bool] = {}
+    for word in text.split(","):
+        if word not in CONFIG_WORDS:
+            raise ConfigError(f"--configs: unknown word {echo(word)}; known: {', '.join(CONFIG_WORDS)}")
+        name, value = CONFIG_WORDS[word]
+        if pins.get(name, value) is not value:
+            other = next(w for w, nv in CONFIG_WORDS.items() if nv == (name, not value))
+            raise ConfigError(f"--configs: {word!r} and {other!r} contradict each other")
+        pins[name] = value
+    return ConfigPins(**pins)
+
+
+def random_config(choices: Choices, policy: str, lazy: bool = False, block_size: int = 16,
+                  pins: ConfigPins = ConfigPins()) -> OffloadConfig:
     """A small configuration for ``policy``: 12-24 GPU and 4-8 CPU blocks (so that the rare paths
     are common), one or two ranks, now and then a sliding-window group beside the full one,
     async scheduling (vLLM's default) three times in four, synchronous scheduling otherwise, and
-    n-gram speculative decoding with one to three draft tokens one time in four."""
+    n-gram speculative decoding with one to three draft tokens one time in four. A feature that
+    ``pins`` fixes is not drawn (the other draws are the same as without pins)."""
     gpu = choices.pick((12, 16, 24))
     cpu = choices.pick((4, 5, 6, 8))
     world = choices.pick((1, 1, 2))
     groups: tuple[KVGroup, ...] = (KVGroup(),)
-    if choices.chance(0.3):
+    if choices.chance(0.3) if pins.sliding is None else pins.sliding:
         window = choices.pick((block_size, 2 * block_size, 3 * block_size))
         groups = (KVGroup(), KVGroup("sliding", sliding_window=window))
-    async_scheduling = choices.chance(0.75)
-    spec = choices.pick((1, 2, 3)) if choices.chance(0.25) else 0
+    async_scheduling = choices.chance(0.75) if pins.async_scheduling is None else pins.async_scheduling
+    spec = choices.pick((1, 2, 3)) if (choices.chance(0.25) if pins.spec is None else pins.spec) else 0
     return OffloadConfig(block_size=block_size, num_gpu_blocks=gpu, num_cpu_blocks=cpu, world_size=world,
                          groups=groups, policy=policy, lazy_offload=lazy, async_scheduling=async_scheduling,
                          num_speculative_tokens=spec)
