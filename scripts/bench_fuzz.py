@@ -5,6 +5,7 @@ wall time when other jobs share the machine).
 
     python scripts/bench_fuzz.py [--seconds 4] [--rounds 3] [--targets model,impl] [--policy repair] [--threads 1]
     python scripts/bench_fuzz.py --against REV [--seconds 3] [--rounds 3] [--targets ...] [--policy ...]
+    python scripts/bench_fuzz.py --floor [--seconds 4] [--rounds 3] [--targets ...] [--policy ...]
 
 Without ``--against``: incremental vs full checking after every operation, in this tree.
 With ``--against REV`` (a git revision of this repository): the fuzzer's loop as ``kvspec fuzz``
@@ -13,7 +14,11 @@ the two trees alternating; printed per target: both medians (per CPU second) and
 the per-round ratios (this tree / REV). REV's tree is exported with ``git archive`` into a
 temporary directory and imported from there (``kvspec.specs.mutations.installed_layout``), so REV
 must have the same loop (``kvspec.drivers.harness.generate``, ``kvspec.drivers.opgen.random_config``,
-``kvspec.adapters.claims.resolve``). ``--threads``: torch intra-op threads (default 1, what
+``kvspec.adapters.claims.resolve``). With ``--floor``: the fuzzer's loop against its floor, the same generator driving the same engine
+operations on the same configurations with no checking at all (no snapshots, no oracle, no plan
+facts: ``Engine(target, observe=())``); printed per target: both medians (per CPU second) and
+the share of the loop's time that checking takes. No checking can make the loop faster than
+its floor. ``--threads``: torch intra-op threads (default 1, what
 campaign workers use: ``kvspec.drivers.campaign.single_threaded``; 0 leaves torch's own default).
 """
 
@@ -50,6 +55,42 @@ def rate(target: str, policy: str, seconds: float, incremental: bool, seed: int)
         trace, out = generate(cfg, factory, rng, 60, claimed.resolve(None, cfg, None).ids, incremental=incremental)
         ops += len(trace) + out.rejected
     return ops / (time.perf_counter() - start), ops / (time.process_time() - cpu)
+
+
+def bare_rate(target: str, policy: str, seconds: float, seed: int) -> float:
+    """The loop's floor: operations per CPU second of the generator and the engine alone (traces of
+    60 operations, each configuration drawn as ``rate`` draws it; a rejected operation counts, as
+    the fuzzer counts it), with nothing observed, snapshotted or judged."""
+    from kvspec.adapters.targets import get_factory
+    from kvspec.contract.errors import KVSpecError
+    from kvspec.drivers.engine import Engine
+    from kvspec.drivers.opgen import FUZZ_MIX, OpGenerator, RandomChoices, random_config
+
+    factory, rng, ops = get_factory(target), random.Random(seed), 0
+    start, cpu = time.perf_counter(), time.process_time()
+    while time.perf_counter() - start < seconds:
+        cfg = random_config(RandomChoices(rng), policy, False)
+        engine = Engine(factory(cfg), ())
+        gen = OpGenerator(cfg, RandomChoices(rng), FUZZ_MIX)
+        for _ in range(60):
+            op = gen.next_op(engine)
+            try:
+                engine.apply(op)
+            except KVSpecError:
+                pass
+            ops += 1
+    return ops / (time.process_time() - cpu)
+
+
+def floor(targets: list[str], policy: str, seconds: float, rounds: int) -> None:
+    for target in targets:
+        loop, bare = [], []
+        for r in range(rounds):
+            loop.append(rate(target, policy, seconds, True, r)[1])
+            bare.append(bare_rate(target, policy, seconds, r))
+        full, low = statistics.median(loop), statistics.median(bare)
+        print(f"{target:6s} {policy}: fuzz loop {full:7.0f}, floor (no checking) {low:7.0f} ops per CPU second; "
+              f"checking takes {1 - full / low:.0%} of the loop ({rounds} rounds of {seconds:g} s)", flush=True)
 
 
 def export_tree(rev: str, into: Path) -> Path:
@@ -105,6 +146,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads, 0: torch's default (default 1)")
     p.add_argument("--against", metavar="REV", help="compare the fuzzer's loop with REV's tree (default: compare "
                                                      "incremental with full checking in this tree)")
+    p.add_argument("--floor", action="store_true",
+                   help="compare the fuzzer's loop with its floor: the same operations with no checking")
     p.add_argument("--measure", nargs=4, metavar=("TARGET", "POLICY", "SECONDS", "SEED"), help=argparse.SUPPRESS)
     a = p.parse_args()
     import torch
@@ -117,6 +160,9 @@ def main() -> None:
         import kvspec
 
         print(json.dumps({"per_wall_second": wall, "per_cpu_second": cpu, "kvspec": kvspec.__file__}))
+        return
+    if a.floor:
+        floor(a.targets.split(","), a.policy, a.seconds, a.rounds)
         return
     if a.against:
         against(a.against, a.targets.split(","), a.policy, a.seconds, a.rounds, a.threads)
