@@ -32,6 +32,7 @@ from kvspec.drivers.engine import Engine, prompt_tokens
 from kvspec.model import make_scheduler
 from kvspec.model.hashing import block_hashes
 from kvspec.model.hit_search import find_longest_cache_hit
+from kvspec.model.rules import GroupScan, Rescan, rescan_group, scan_group
 from kvspec.oracle.catalogue import check
 
 POLICIES = ("baseline", "signal-rescan", "repair")
@@ -323,6 +324,17 @@ def test_h7_visits_per_step(policy: str) -> None:
         assert large >= 512 - 8 and large > 4 * small
     else:  # pending records and the few new positions only
         assert large == small and large <= 32
+
+
+def test_h7_a_phase_visits_what_it_passes_and_where_it_stops() -> None:
+    """The visit count behind the H7 figures, exactly: a scan passes the positions before its stop
+    and looks at the one it stops at (``stopped``); each of PR #47235's two phases counts so."""
+    assert scan_group([False, True, True], taken=0, free=1) == GroupScan([1], 2, True)
+    assert scan_group([True, False], taken=0, free=5) == GroupScan([0], 2, False)
+    # Phase 1a passes position 0 and stops at 1 (2 visits), Phase 1b stops at once (1)
+    assert rescan_group([True, True], [True], taken=0, free=1, oos_stops_scan=False).visits == 3
+    assert rescan_group([True, False], [True], taken=0, free=5, oos_stops_scan=False).visits == 3  # no stop
+    assert rescan_group([True, True], [True], taken=0, free=1, oos_stops_scan=True) == Rescan([0], [], 0, 2)
 
 
 # -- H8: priority inversion -------------------------------------------------------------------------
