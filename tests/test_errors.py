@@ -58,9 +58,23 @@ def test_the_corpus_is_whole() -> None:
     assert all(issubclass(c.error, KVSpecError) and c.error is not KVSpecError for c in CASES)
 
 
-def test_pool_size_must_be_positive() -> None:
-    with pytest.raises(InvalidCountError, match=r"num_blocks must be an int >= 1, got 0"):
-        BlockPool(0, "cpu")
+def _impl_pool(n: Any) -> Any:
+    import torch
+
+    from kvspec.impl.block_pool import TensorBlockPool
+    from kvspec.impl.keys import KeyTable
+
+    return TensorBlockPool(n, "cpu", KeyTable(1, torch.device("cpu")), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("pool", [lambda n: BlockPool(n, "cpu"), _impl_pool], ids=["model", "impl"])
+def test_pool_size_must_be_a_positive_int(pool: Callable[[Any], Any]) -> None:
+    """A pool of one block (the null block alone) is the smallest; anything else that is not an int
+    >= 1, a bool included, is refused."""
+    assert pool(1).num_blocks == 1
+    for bad in (0, -3, True, False, 2.0, "8", None):
+        with pytest.raises(InvalidCountError, match=r"cpu: num_blocks must be an int >= 1, got "):
+            pool(bad)
 
 
 @pytest.mark.parametrize("factory", [make_model, make_impl], ids=["model", "impl"])
