@@ -33,6 +33,7 @@ def test_good_calls_still_accepted(factory: Any) -> None:
     assert b.pool.get_cached_block("feed", [1]) == [blk]
     assert b.pool.get_cached_block("feed", (0, 1)) is None
     assert b.pool.get_one_block(("feed", 1)) == blk
+    assert b.pool.get_one_block(("", 0)) is None and b.pool.get_one_block(("two\nlines", 0)) is None  # no such key
     b.pool.touch(x for x in [blk])  # any iterable
     b.pool.free_blocks((blk,))
     b.target.build_connector_meta(SchedulerOutput(preempted_req_ids=frozenset(), finished_req_ids=["gone"]))
