@@ -36,6 +36,7 @@ def test_good_calls_still_accepted(factory: Any) -> None:
     assert b.pool.get_one_block(("", 0)) is None and b.pool.get_one_block(("two\nlines", 0)) is None  # no such key
     b.pool.touch(x for x in [blk])  # any iterable
     b.pool.free_blocks((blk,))
+    b.pool.evict_blocks([0])  # the null block carries no entry: evicting it is a no-op, as in vLLM
     b.target.build_connector_meta(SchedulerOutput(preempted_req_ids=frozenset(), finished_req_ids=["gone"]))
     b.target.update_connector_output(KVConnectorOutput(finished_recving=[], completed_store_events={}))
     assert b.target.get_num_new_matched_tokens(FakeRequest(block_hashes=("x", "y")), 0) == (0, False)
