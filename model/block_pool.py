@@ -161,13 +161,11 @@ class BlockPool:
         out, self._evicted = self._evicted, []
         return out
 
-    def _maybe_evict_cached_block(self, b: int) -> bool:
+    def _maybe_evict_cached_block(self, b: int) -> None:
         key = self.block_hash[b]
         self.block_hash[b] = None  # always cleared (0.33.0)
         if key is not None and self.cached.pop(key, b):
             self._evicted.append((b, key))
-            return True
-        return False
 
     def _validate(self, block_ids: Iterable[int], what: str, allow_null: bool = False) -> list[int]:
         return check_id_list(block_ids, self.num_blocks, self.name, what, allow_null)

@@ -18,6 +18,20 @@ def test_free_queue_refuses_null_and_out_of_range():
         pool.free_queue._check(pool.num_blocks)
 
 
+@pytest.mark.parametrize("corrupt", ["referenced", "queued", "hashed"])
+def test_pool_check_guards_the_null_block(corrupt):
+    pool = BlockPool(5)
+    pool._check()
+    if corrupt == "referenced":
+        pool.ref_cnt[0] = 1
+    elif corrupt == "queued":
+        pool.free_queue.append_n([0])
+    else:
+        pool.block_hash[0] = ("h", 0)
+    with pytest.raises(AssertionError):
+        pool._check()
+
+
 def test_pool_check_finds_ref_queue_mismatch():
     pool = BlockPool(5)
     (b,) = pool.get_new_blocks(1)
