@@ -7,7 +7,9 @@ from scenario_kit import SYNC
 from kvspec.contract.config import OffloadConfig
 from kvspec.drivers.engine import Engine
 from kvspec.model import make_scheduler
+from kvspec.contract.errors import QueueCorruptionError
 from kvspec.model.block_pool import BlockPool
+from kvspec.model.free_queue import FreeBlockQueue
 
 
 def test_free_queue_refuses_null_and_out_of_range():
@@ -30,6 +32,25 @@ def test_pool_check_guards_the_null_block(corrupt):
         pool.block_hash[0] = ("h", 0)
     with pytest.raises(AssertionError):
         pool._check()
+
+
+@pytest.mark.parametrize("bad", [5, 6, -1, "3"])
+def test_free_queue_check_finds_ids_out_of_range(bad):
+    pool = BlockPool(5)
+    pool.free_queue._order[bad] = None  # corrupt: not a usable block id 1..4
+    with pytest.raises(AssertionError, match="free queue holds"):
+        pool.free_queue._check(pool.num_blocks)
+
+
+@pytest.mark.parametrize("insert", ["append_n", "prepend_n"])
+def test_free_queue_refuses_a_block_twice(insert):
+    """vLLM's linked list would be corrupted by a block linked twice; the model's queue refuses it,
+    whether the block is queued already or listed twice in one call, and changes nothing."""
+    queue = FreeBlockQueue([1, 2])
+    for ids in ([2], [3, 3], [4, 1]):
+        with pytest.raises(QueueCorruptionError, match="in the free queue twice"):
+            getattr(queue, insert)(ids)
+        assert list(queue) == [1, 2]
 
 
 def test_pool_check_finds_ref_queue_mismatch():
