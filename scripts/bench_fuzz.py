@@ -14,11 +14,11 @@ the two trees alternating; printed per target: both medians (per CPU second) and
 the per-round ratios (this tree / REV). REV's tree is exported with ``git archive`` into a
 temporary directory and imported from there (``kvspec.specs.mutations.installed_layout``), so REV
 must have the same loop (``kvspec.drivers.harness.generate``, ``kvspec.drivers.opgen.random_config``,
-``kvspec.adapters.claims.resolve``). With ``--floor``: the fuzzer's loop against its floor, the same generator driving the same engine
-operations on the same configurations with no checking at all (no snapshots, no oracle, no plan
-facts: ``Engine(target, observe=())``); printed per target: both medians (per CPU second) and
-the share of the loop's time that checking takes. No checking can make the loop faster than
-its floor. ``--threads``: torch intra-op threads (default 1, what
+``kvspec.adapters.claims.resolve``). With ``--floor``: the fuzzer's loop against its floor, the
+same generator driving the same engine operations on the same configurations with no checking at
+all (no snapshots, no oracle, no plan facts: ``Engine(target, observe=())``); printed per
+target: both medians (per CPU second) and the share of the loop's time that checking takes. No
+checking can make the loop faster than its floor. ``--threads``: torch intra-op threads (default 1, what
 campaign workers use: ``kvspec.drivers.campaign.single_threaded``; 0 leaves torch's own default).
 """
 

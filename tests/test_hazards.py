@@ -28,11 +28,15 @@ import pytest
 from scenario_kit import SYNC, alloc, complete, cpu_hit, cpu_map, make, out, req
 
 from kvspec.contract.config import KVGroup, OffloadConfig
+from kvspec.contract.types import SchedulerOutput
 from kvspec.drivers.engine import Engine, prompt_tokens
 from kvspec.model import make_scheduler
+from kvspec.model.block_pool import BlockPool
 from kvspec.model.hashing import block_hashes
 from kvspec.model.hit_search import find_longest_cache_hit
 from kvspec.model.rules import GroupScan, Rescan, rescan_group, scan_group
+from kvspec.model.scheduler import OffloadScheduler
+from kvspec.model.signal_rescan import SignalRescanOptions, SignalRescanPolicy
 from kvspec.oracle.catalogue import check
 
 POLICIES = ("baseline", "signal-rescan", "repair")
@@ -324,6 +328,30 @@ def test_h7_visits_per_step(policy: str) -> None:
         assert large >= 512 - 8 and large > 4 * small
     else:  # pending records and the few new positions only
         assert large == small and large <= 32
+
+
+def test_h7_the_visit_count_is_the_last_plans_own() -> None:
+    """``visits_last_plan`` counts what the last planning step looked at: nothing before any plan,
+    and a plan that scans nothing after one that scanned counts nothing."""
+    r = Run("signal-rescan")
+    assert r.sched.policy.visits_last_plan == 0
+    r.do([add("A", 1, 40), step(admit=["A"]), step()])  # the second build sees A's 2 confirmed blocks
+    assert r.sched.policy.visits_last_plan == 2
+    r.sched.build_connector_meta(SchedulerOutput())
+    assert r.sched.policy.visits_last_plan == 0
+
+
+@pytest.mark.parametrize("clears", [False, True])
+def test_signal_rescan_reset_keeps_the_flag_unless_told(clears: bool) -> None:
+    """PR #47235's open detail ``reset_clears_flag``: by default a reset leaves the eviction flag
+    set (one spurious rescan follows); with the option it clears it. A reset never sets it."""
+    sched = OffloadScheduler(OffloadConfig(policy="signal-rescan", **SYNC), BlockPool(16, "gpu", 1),
+                             lambda s: SignalRescanPolicy(s, SignalRescanOptions(reset_clears_flag=clears)))
+    sched.reset()
+    assert sched.policy.eviction_flag is False
+    sched.policy.eviction_flag = True
+    sched.reset()
+    assert sched.policy.eviction_flag is not clears
 
 
 def test_h7_a_phase_visits_what_it_passes_and_where_it_stops() -> None:

@@ -16,9 +16,9 @@ and checks every (before, after) pair against the transitions an operation may b
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest

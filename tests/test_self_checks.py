@@ -5,9 +5,9 @@ import pytest
 from scenario_kit import SYNC
 
 from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import QueueCorruptionError
 from kvspec.drivers.engine import Engine
 from kvspec.model import make_scheduler
-from kvspec.contract.errors import QueueCorruptionError
 from kvspec.model.block_pool import BlockPool
 from kvspec.model.free_queue import FreeBlockQueue
 

@@ -39,7 +39,7 @@ from kvspec.drivers.campaign import (
     worker_seeds,
 )
 from kvspec.drivers.harness import REPLAYS, FuzzResult, _slug, check_writable, finding_name, fuzz, save_trace
-from kvspec.drivers.opgen import CONFIG_WORDS, ConfigPins, parse_pins
+from kvspec.drivers.opgen import CONFIG_WORDS, NO_PINS, ConfigPins, parse_pins
 from kvspec.drivers.trace import Trace
 from kvspec.oracle import oracles
 from kvspec.report.html import page_for_trace
@@ -131,7 +131,7 @@ class Job:
     quiet: bool  # no progress or "finding written" lines (--json, more than one worker, or Ray)
     resume: dict[int, list[Any]] = field(default_factory=dict)  # seed -> generator state to go on from
     refine: bool = False  # the refinement check (R1) after every accepted operation
-    pins: ConfigPins = ConfigPins()  # --configs: features every drawn configuration has
+    pins: ConfigPins = NO_PINS  # --configs: features every drawn configuration has
 
 
 PROGRESS_EVERY_S = 10.0  # progress lines of a run whose stderr is not a terminal
@@ -193,7 +193,7 @@ def _save_here(job: Job, results: list[WorkerResult]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     oracles.check_spec(args.oracle)
-    pins = parse_pins(args.configs) if args.configs is not None else ConfigPins()
+    pins = parse_pins(args.configs) if args.configs is not None else NO_PINS
     workers = check_workers(args.workers, args.ray)
     if args.raw:
         args.target = raw_target(args.target)
@@ -255,7 +255,7 @@ class CampaignState:
 
     @classmethod
     def at(cls, out: Path, target: str, policy: str, oracle: str, seed: int, workers: int,
-           pins: ConfigPins = ConfigPins()) -> CampaignState:
+           pins: ConfigPins = NO_PINS) -> CampaignState:
         configs = ["configs-" + "+".join(pins.words())] if pins.words() else []
         name = "-".join(_slug(x) for x in (target, policy, oracle, *configs, f"seed{seed}", f"workers{workers}"))
         return cls(out / f"campaign-{name}.json")
@@ -279,7 +279,7 @@ class CampaignState:
 
 
 def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, wall: float,
-           state: CampaignState, pins: ConfigPins = ConfigPins()) -> None:
+           state: CampaignState, pins: ConfigPins = NO_PINS) -> None:
     """The campaign's statistics and its distinct findings, as text or one JSON object."""
     distinct = Distinct()
     for w in results:

@@ -42,6 +42,7 @@ from kvspec.contract.errors import KVSpecError
 from kvspec.drivers.engine import OBSERVATIONS, Engine
 from kvspec.drivers.opgen import (
     FUZZ_MIX,
+    NO_PINS,
     ConfigPins,
     HypothesisChoices,
     OpGenerator,
@@ -576,7 +577,7 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
          progress: Callable[[int, int, float], None] | None = None,
          config_for: Callable[[random.Random], OffloadConfig] | None = None,
          bug: str | None = None, on_finding: FindingSink | None = None, refine: bool = False,
-         resume: list[Any] | None = None, pins: ConfigPins = ConfigPins()) -> FuzzResult:
+         resume: list[Any] | None = None, pins: ConfigPins = NO_PINS) -> FuzzResult:
     """Random traces until a finding or ``budget`` seconds. ``oracle`` is an oracle spec
     (``kvspec.oracle.resolve``: None/``claims``, ``all`` or ids), resolved for each random
     configuration; ``bug`` names the known-bug variant under test. A finding is handed to

@@ -181,6 +181,8 @@ CONFIG_WORDS: dict[str, tuple[str, bool]] = {
 }
 """``--configs`` words: each pins one ``ConfigPins`` feature to a value."""
 
+NO_PINS = ConfigPins()  # every feature drawn
+
 
 def parse_pins(text: str) -> ConfigPins:
     """``ConfigPins`` from comma-separated ``CONFIG_WORDS`` (e.g. ``sliding,sync``); an unknown
@@ -198,7 +200,7 @@ def parse_pins(text: str) -> ConfigPins:
 
 
 def random_config(choices: Choices, policy: str, lazy: bool = False, block_size: int = 16,
-                  pins: ConfigPins = ConfigPins()) -> OffloadConfig:
+                  pins: ConfigPins = NO_PINS) -> OffloadConfig:
     """A small configuration for ``policy``: 12-24 GPU and 4-8 CPU blocks (so that the rare paths
     are common), one or two ranks, now and then a sliding-window group beside the full one,
     async scheduling (vLLM's default) three times in four, synchronous scheduling otherwise, and
