@@ -10,6 +10,7 @@ from kvspec.drivers.engine import Engine
 from kvspec.model import make_scheduler
 from kvspec.model.block_pool import BlockPool
 from kvspec.model.free_queue import FreeBlockQueue
+from kvspec.model.prefix_map import PrefixMap
 
 
 def test_free_queue_refuses_null_and_out_of_range():
@@ -51,6 +52,17 @@ def test_free_queue_refuses_a_block_twice(insert):
         with pytest.raises(QueueCorruptionError, match="in the free queue twice"):
             getattr(queue, insert)(ids)
         assert list(queue) == [1, 2]
+
+
+def test_prefix_map_pop_removes_only_what_is_there():
+    """``PrefixMap.pop``: True iff the block was listed under the key; anything else changes nothing."""
+    m = PrefixMap()
+    m.insert(("h", 0), 3)
+    m.insert(("h", 0), 4)
+    assert m.pop(("g", 0), 3) is False and m.pop(("h", 0), 5) is False
+    assert list(m.items()) == [(("h", 0), [3, 4])]
+    assert m.pop(("h", 0), 3) is True and list(m.items()) == [(("h", 0), [4])]
+    assert m.pop(("h", 0), 4) is True and list(m.items()) == []
 
 
 def test_pool_check_finds_ref_queue_mismatch():
