@@ -18,7 +18,9 @@ Both phases of one group are ``rules.rescan_group`` (Phase 1a's end is
 
 Open details of §9.2, as options with their defaults:
 
-* ``cap_rescan_at_ready`` (True): Phase 1a stops at ``min(cursor, ready)``.
+* ``cap_rescan_at_ready`` (True): Phase 1a stops at ``min(cursor, ready)``. Either choice ends
+  it at the cursor in every reachable state, since the proved bound ``cursor <= ready <= N``
+  (``specs.transitions.bounds``, I9 strengthened) holds; the option names the PR's open detail, no behaviour.
 * ``rescan_oos_stops_scan`` (False): running out of CPU space in Phase 1a skips
   Phase 1b of that group entirely (True) or lets it still advance past skippable
   positions (False).
