@@ -1,0 +1,204 @@
+"""Real vLLM's ``CPUOffloadingManager`` (``vllm/v1/kv_offload/cpu/manager.py``) as a target of
+the second manager's contract (``OffloadingManagerTarget``): target ``vllm-offloading``.
+
+vLLM's own manager and its own LRU or ARC policy are built as vLLM's connector builds them
+(``CPUOffloadingManager(num_chunks, cache_policy, store_threshold=..., max_tracker_size=...)``);
+nothing of vLLM is replaced. The adapter only translates:
+
+* keys: kvspec's ``(hash, group)`` is packed with vLLM's own ``make_offload_key`` (the hash's
+  UTF-8 bytes, the group as 4 big-endian bytes) and unpacked again for snapshots;
+* requests: one ``vllm.v1.kv_offload.base.ReqContext`` per request id, kept here as vLLM's
+  connector keeps one per request; key positions go to ``set_offload_key_position``;
+* outputs: ``CPULoadStoreSpec.block_ids`` become lists of chunk ids.
+
+Inputs go through the contract's checks (``kvspec.contract.offloading_checks``) before the
+call reaches vLLM, reading vLLM's own chunk states for the checks that depend on them, so a
+refused call changes nothing in vLLM. ``snapshot()`` reads vLLM's objects (chunks, free
+list, counters, the policy's ranks or lists, each request's access record) into the canonical
+format; nothing in it comes from kvspec's model.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+from kvspec.contract.errors import ConfigError, InvalidOperationError, UnknownRequestError
+from kvspec.contract.offloading import OffloadingConfig, OffloadKey, PrepareStoreOutput, key_bytes, key_text
+from kvspec.contract.offloading_checks import (
+    check_keys,
+    check_loadable,
+    check_loading,
+    check_new_request,
+    check_positions,
+    check_success,
+)
+
+VLLM_VERSION = "0.33.0"
+
+
+def _import_vllm() -> SimpleNamespace:
+    """vLLM's classes; ``ConfigError`` saying how to get them when they are not importable."""
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError("target 'vllm-offloading' needs vLLM 0.33.0 in this Python: run it from the venv "
+                          "built by scripts/setup-vllm-venv.sh (.vllm-venv/bin/kvspec)") from None
+    if version != VLLM_VERSION:
+        raise ConfigError(f"target 'vllm-offloading' is written against vLLM {VLLM_VERSION}, found {version}")
+    try:
+        from vllm.v1.kv_offload import base
+        from vllm.v1.kv_offload.cpu import manager
+        from vllm.v1.kv_offload.cpu.policies import arc, lru
+    except Exception as exc:  # vLLM's import chain can fail in many ways on a bare machine
+        raise ConfigError(f"vLLM {version} is installed but its kv_offload module cannot be imported: {exc}") from None
+    return SimpleNamespace(base=base, manager=manager, lru=lru, arc=arc)
+
+
+def _unpack(raw: bytes) -> OffloadKey:
+    return raw[:-4].decode(), int.from_bytes(raw[-4:], "big", signed=False)
+
+
+class VllmOffloadingTarget:
+    """vLLM's ``CPUOffloadingManager`` behind ``OffloadingManagerTarget``."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        config.validate()
+        self._config = config
+        self._v = _import_vllm()
+        self.manager = self._v.manager.CPUOffloadingManager(
+            config.num_chunks, cache_policy=config.policy, store_threshold=config.store_threshold,
+            max_tracker_size=config.max_tracker_size)
+        self._contexts: dict[str, Any] = {}
+        self._closed: set[str] = set()
+
+    @property
+    def config(self) -> OffloadingConfig:
+        return self._config
+
+    def _key(self, key: OffloadKey) -> bytes:
+        packed: bytes = self._v.base.make_offload_key(key[0].encode(), key[1])
+        assert packed == key_bytes(key)
+        return packed
+
+    def _keys(self, keys: Sequence[OffloadKey]) -> list[bytes]:
+        return [self._key(k) for k in keys]
+
+    def _ctx(self, req_id: str, submit: bool) -> Any:
+        ctx = self._contexts.get(req_id) if isinstance(req_id, str) else None
+        if ctx is None:
+            raise UnknownRequestError(f"unknown request {req_id!r}")
+        if submit and req_id in self._closed:
+            raise InvalidOperationError(f"request {req_id!r} has finished: no more lookups, loads or stores")
+        return ctx
+
+    def _ref_cnt(self, key: OffloadKey) -> int | None:
+        chunk = self.manager._policy.get(self._key(key))
+        return None if chunk is None else int(chunk.ref_cnt)
+
+    # -- the contract -------------------------------------------------------------------------
+
+    def on_new_request(self, req_id: str) -> None:
+        check_new_request(req_id, self._contexts)
+        ctx = self._v.base.ReqContext(req_id=req_id)
+        self.manager.on_new_request(ctx)
+        self._contexts[req_id] = ctx
+
+    def set_key_positions(self, req_id: str, positions: Sequence[tuple[OffloadKey, int]]) -> None:
+        ctx = self._ctx(req_id, submit=True)
+        check_positions(positions)
+        for key, position in positions:
+            ctx.set_offload_key_position(self._key(key), position)
+
+    def lookup(self, req_id: str, key: OffloadKey) -> str:
+        ctx = self._ctx(req_id, submit=True)
+        check_keys([key])
+        return str(self.manager.lookup(self._key(key), ctx).name)
+
+    def prepare_load(self, req_id: str, keys: Sequence[OffloadKey]) -> list[int]:
+        ctx = self._ctx(req_id, submit=True)
+        check_keys(keys)
+        check_loadable(keys, self._ref_cnt)
+        spec = self.manager.prepare_load(self._keys(keys), ctx)
+        return [int(b) for b in spec.block_ids]
+
+    def touch(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
+        ctx = self._ctx(req_id, submit=True)
+        check_keys(keys)
+        self.manager.touch(self._keys(keys), ctx)
+
+    def complete_load(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
+        ctx = self._ctx(req_id, submit=False)
+        check_keys(keys)
+        check_loading(keys, self._ref_cnt)
+        self.manager.complete_load(self._keys(keys), ctx)
+
+    def prepare_store(self, req_id: str, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        ctx = self._ctx(req_id, submit=True)
+        check_keys(keys)
+        out = self.manager.prepare_store(self._keys(keys), ctx)
+        if out is None:
+            return None
+        return PrepareStoreOutput([_unpack(k) for k in out.keys_to_store],
+                                  [int(b) for b in out.store_spec.block_ids],
+                                  [_unpack(k) for k in out.evicted_keys])
+
+    def complete_store(self, req_id: str, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        ctx = self._ctx(req_id, submit=False)
+        check_keys(keys)
+        check_success(success)
+        self.manager.complete_store(self._keys(keys), ctx, success=success)
+
+    def on_request_finished(self, req_id: str) -> None:
+        ctx = self._ctx(req_id, submit=False)
+        self._closed.add(req_id)
+        self.manager.on_request_finished(ctx)
+
+    def reset_cache(self) -> None:
+        self.manager.reset_cache()
+
+    # -- observation --------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        m = self.manager
+        policy = m._policy
+        if self._config.policy == "lru":
+            resident = dict(policy.chunks)
+            order = sorted(policy._evictable, key=lambda k: (policy._ranks[k], k))
+            policy_state: dict[str, Any] = {
+                "order": [key_text(_unpack(k)) for k in order],
+                "ranks": {key_text(k): list(r) for k, r in sorted((_unpack(k), r) for k, r in policy._ranks.items())},
+                "next_rank": policy._next_rank}
+        else:
+            resident = {**policy.t1, **policy.t2}
+            policy_state = {name: [key_text(_unpack(k)) for k in getattr(policy, name)] for name in ("t1", "t2", "b1", "b2")}
+            policy_state["target_t1_size"] = float(policy.target_t1_size)
+        access_cls = self._v.manager._RequestCacheAccess
+        requests: dict[str, Any] = {}
+        for rid, ctx in sorted(self._contexts.items()):
+            rec = ctx.get_state(access_cls)
+            current = rec is not None and rec.owner is m and rec.cache_generation == m._cache_generation
+            requests[rid] = None if not current else {
+                "finished": bool(rec.finished),
+                **{name: sorted(key_text(_unpack(k)) for k in getattr(rec, attr)) for name, attr in
+                   (("seen", "seen_keys"), ("inserted", "inserted_keys"), ("reused", "reused_keys"),
+                    ("store_misses", "store_miss_keys"))}}
+        return {
+            "manager": "offloading",
+            "config": self._config.to_json(),
+            "chunks": {key_text(k): {"chunk": int(c.chunk_id), "ref_cnt": int(c.ref_cnt)}
+                       for k, c in sorted((_unpack(k), c) for k, c in resident.items())},
+            "free_list": [int(c) for c in m._free_list],
+            "num_allocated": int(m._num_allocated_chunks),
+            "counters": {"evictable": int(m._num_evictable_cache_chunks),
+                         "write_pending": int(m._num_write_pending_chunks)},
+            "policy": {self._config.policy: policy_state},
+            "offers": None if m.counts is None else [[key_text(_unpack(k)), int(n)] for k, n in m.counts.items()],
+            "requests": requests,
+        }
+
+
+def make_vllm_offloading_target(config: OffloadingConfig) -> VllmOffloadingTarget:
+    return VllmOffloadingTarget(config)
