@@ -38,9 +38,6 @@ from typing import Any
 
 from kvspec.contract.errors import InvalidOperationError, UnknownRequestError
 from kvspec.contract.offloading import OffloadingConfig, OffloadKey, PrepareStoreOutput, key_text
-from kvspec.model.offloading.arc import ARCPolicy
-from kvspec.model.offloading.lru import LRUPolicy
-from kvspec.model.offloading.policy import AccessRecord, CachePolicy, Chunk, RequestContext
 from kvspec.contract.offloading_checks import (
     check_keys,
     check_loadable,
@@ -49,6 +46,9 @@ from kvspec.contract.offloading_checks import (
     check_positions,
     check_success,
 )
+from kvspec.model.offloading.arc import ARCPolicy
+from kvspec.model.offloading.lru import LRUPolicy
+from kvspec.model.offloading.policy import AccessRecord, CachePolicy, Chunk, RequestContext
 
 
 class OffloadingManager:
