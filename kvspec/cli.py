@@ -1,4 +1,5 @@
-"""The ``kvspec`` command line: discovers the subcommands in ``kvspec.commands``.
+"""The ``kvspec`` command line: discovers the subcommands in ``kvspec.commands`` (modules whose
+name starts with ``_`` are helpers of several subcommands, not subcommands).
 
 Exit codes, the same for every command: 0 clean, 1 a finding or violation (or a failed
 check), 2 bad input or usage (one line on stderr, never a traceback), 3 an internal error
@@ -29,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(kvspec.commands.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
         mod = importlib.import_module(f"kvspec.commands.{info.name}")
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)

@@ -16,9 +16,11 @@ from collections.abc import Callable
 
 from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import ConfigError
+from kvspec.contract.offloading import OffloadingConfig, OffloadingManagerTarget
 from kvspec.contract.types import OffloadTarget
 
 TargetFactory = Callable[[OffloadConfig], OffloadTarget]
+OffloadingFactory = Callable[[OffloadingConfig], OffloadingManagerTarget]
 
 _FACTORIES: dict[str, str] = {
     "model": "kvspec.model:make_scheduler",
@@ -27,6 +29,12 @@ _FACTORIES: dict[str, str] = {
     "vllm+pr47235": "kvspec.adapters.vllm_patched:make_vllm_pr47235_target",
     "vllm+repair": "kvspec.adapters.vllm_patched:make_vllm_repair_target",
     "raw:vllm": "kvspec.adapters.vllm:make_raw_vllm_target",
+}
+# The second manager's targets (kvspec.contract.offloading.OffloadingManagerTarget): its model and
+# vLLM 0.33.0's own CPUOffloadingManager; bug:<name> for its variants (kvspec.model.offloading.bugs).
+_OFFLOADING_FACTORIES: dict[str, str] = {
+    "offloading": "kvspec.model.offloading:make_offloading_manager",
+    "vllm-offloading": "kvspec.adapters.vllm_offloading:make_vllm_offloading_target",
 }
 RAW_PREFIX = "raw:"  # raw:vllm, raw:vllm@VERSION: real vLLM with the model's rules left to vLLM
 
@@ -62,11 +70,41 @@ def get_factory(name: str) -> TargetFactory:
         return release_factory(name.partition("@")[2], raw)
     spec = _FACTORIES.get(name)
     if spec is None:
-        raise ConfigError(f"unknown target {name!r}; known: {', '.join(target_names())}")
+        raise ConfigError(f"unknown target {name!r}; known: {', '.join(target_names() + offloading_target_names())}")
     module, _, attr = spec.partition(":")
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:
         raise ConfigError(f"target {name!r} is not available here: {exc}") from None
     factory: TargetFactory = getattr(mod, attr)
+    return factory
+
+
+def offloading_target_names() -> list[str]:
+    from kvspec.model.offloading.bugs import OFFLOADING_BUGS
+
+    return [*_OFFLOADING_FACTORIES, *(f"bug:{name}" for name in OFFLOADING_BUGS)]
+
+
+def is_offloading_target(name: str) -> bool:
+    """Whether ``name`` is a target of the second manager (``OffloadingManagerTarget``)."""
+    return name in offloading_target_names()
+
+
+def get_offloading_factory(name: str) -> OffloadingFactory:
+    """The second manager's factory for ``name``; ``ConfigError`` with the known names when unknown."""
+    if name.startswith("bug:"):
+        from kvspec.model.offloading.bugs import OFFLOADING_BUGS
+
+        if name[4:] in OFFLOADING_BUGS:
+            return OFFLOADING_BUGS[name[4:]].manager
+    spec = _OFFLOADING_FACTORIES.get(name)
+    if spec is None:
+        raise ConfigError(f"unknown offloading target {name!r}; known: {', '.join(offloading_target_names())}")
+    module, _, attr = spec.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"target {name!r} is not available here: {exc}") from None
+    factory: OffloadingFactory = getattr(mod, attr)
     return factory

@@ -173,7 +173,8 @@ class VllmOffloadingTarget:
                 "next_rank": policy._next_rank}
         else:
             resident = {**policy.t1, **policy.t2}
-            policy_state = {name: [key_text(_unpack(k)) for k in getattr(policy, name)] for name in ("t1", "t2", "b1", "b2")}
+            policy_state = {name: [key_text(_unpack(k)) for k in getattr(policy, name)]
+                            for name in ("t1", "t2", "b1", "b2")}
             policy_state["target_t1_size"] = float(policy.target_t1_size)
         access_cls = self._v.manager._RequestCacheAccess
         requests: dict[str, Any] = {}

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvspec.adapters.targets import RAW_PREFIX, get_factory, raw_target
+from kvspec.adapters.targets import RAW_PREFIX, get_factory, is_offloading_target, raw_target
 from kvspec.contract.config import POLICIES
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
+from kvspec.contract.offloading import POLICIES as OFFLOADING_POLICIES
 from kvspec.drivers.campaign import (
     AUTO_WORKERS,
     Distinct,
@@ -73,8 +74,10 @@ def workers_count(text: str) -> int | str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
-    p.add_argument("--target", default="model", help="model, impl, vllm or bug:<name> (default: model)")
-    p.add_argument("--policy", default=None, choices=POLICIES,
+    p.add_argument("--target", default="model",
+                   help="model, impl, vllm or bug:<name> (default: model); the offloading manager's: offloading, "
+                        "vllm-offloading, bug:<offloading variant>")
+    p.add_argument("--policy", default=None, choices=(*POLICIES, *OFFLOADING_POLICIES),
                    help="policy (default: repair; baseline for vllm, raw:vllm and vllm@VERSION; the patch's own "
                         "for vllm+pr47235 (signal-rescan) and vllm+repair (repair); a bug's own policy for "
                         "bug:<name>)")
@@ -192,6 +195,13 @@ def _save_here(job: Job, results: list[WorkerResult]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_offloading_target(args.target):
+        from kvspec.commands import _offloading as offloading
+
+        return offloading.fuzz(args)
+    if args.policy in OFFLOADING_POLICIES:
+        raise ConfigError(f"--policy {args.policy} is the offloading manager's; target {args.target!r} takes "
+                          f"{', '.join(POLICIES)}")
     oracles.check_spec(args.oracle)
     pins = parse_pins(args.configs) if args.configs is not None else NO_PINS
     workers = check_workers(args.workers, args.ray)

@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvspec.commands import _offloading as offloading
+
+    if offloading.trace_is_offloading(args.trace):
+        return offloading.replay(args)
     from kvspec.specs.refinement import REFINEMENT_ID  # z3, loaded only when replaying
 
     oracles.check_spec(args.oracle)

@@ -125,7 +125,7 @@ class Driver:
                 results.append(t.lookup(req, key))
                 if results[-1] != "HIT":
                     break
-            self.observed.last = {"op": "lookup", "results": {key_text(k): r for k, r in zip(keys, results)}}
+            self.observed.last = {"op": "lookup", "results": {key_text(k): r for k, r in zip(keys, results, strict=False)}}
             return results
         if kind == "load":
             chunk_ids = t.prepare_load(req, keys)
@@ -297,7 +297,7 @@ class Generator:
         """What the target answered to ``op``: lookup hits and the keys a store must complete."""
         if op["op"] == "lookup":
             keys = _keys(op["keys"])
-            hits = [k for k, r in zip(keys, result) if r == "HIT"]
+            hits = [k for k, r in zip(keys, result, strict=False) if r == "HIT"]
             self.hits = (op["req"], hits)
         elif op["op"] == "store" and result is not None and result["keys_to_store"]:
             self.reqs[op["req"]].stores.append([(h, g) for h, g in result["keys_to_store"]])

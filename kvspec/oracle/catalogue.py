@@ -9,6 +9,13 @@ are skipped without it (``Invariant.needs_engine``).
 Ids I1-I15 follow docs/vllm-semantics.md §12.1; C1 is its completeness property;
 C2-C4 are the properties of the ``repair`` policy (policy issue). Every violation
 names its id and the blocks or requests involved.
+
+The catalogue covers two managers, and a snapshot says which it holds (``manager``; absent in
+the first manager's snapshots): ``simple`` (SimpleCPUOffload, the ids above, ``CATALOGUE``)
+and ``offloading`` (the OffloadingConnector's ``CPUOffloadingManager``, ids O1-O10,
+``OFFLOADING_CATALOGUE``; SPEC.md §9 puts the two side by side and names the invariants of
+one that mean the same as the other's). Ids are unique across both; ``check`` judges a
+snapshot with its own manager's invariants only and refuses an id of the other.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvspec.contract.errors import ConfigError
 from kvspec.model.rules import window_floor
 
 Snapshot = dict[str, Any]
@@ -50,29 +58,45 @@ class Invariant:
     fn: Callable[[Snapshot], list[Violation]]
     needs_engine: bool = False
     enforced_by: tuple[str, ...] = field(default=("stateful invariant",))
+    manager: str = "simple"
+    counterpart: str = ""  # for an O-invariant: the first manager's ids that state the same rule
 
 
-CATALOGUE: dict[str, Invariant] = {}
+CATALOGUE: dict[str, Invariant] = {}  # the first manager's (SimpleCPUOffload)
+OFFLOADING_CATALOGUE: dict[str, Invariant] = {}  # the second manager's (CPUOffloadingManager)
+CATALOGUES: dict[str, dict[str, Invariant]] = {"simple": CATALOGUE, "offloading": OFFLOADING_CATALOGUE}
 
 
 def invariant(id_: str, title: str, needs_engine: bool = False,
-              enforced_by: tuple[str, ...] = ("stateful invariant",)) -> Callable[..., Any]:
-    """Register ``fn`` under ``id_``; its docstring is the statement."""
+              enforced_by: tuple[str, ...] = ("stateful invariant",), manager: str = "simple",
+              counterpart: str = "") -> Callable[..., Any]:
+    """Register ``fn`` under ``id_`` in ``manager``'s catalogue; its docstring is the statement."""
 
     def wrap(fn: Callable[[Snapshot], Iterable[Violation]]) -> Callable[[Snapshot], Iterable[Violation]]:
-        CATALOGUE[id_] = Invariant(id_, title, (fn.__doc__ or "").strip(), lambda s: list(fn(s)),
-                                   needs_engine, enforced_by)
+        assert all(id_ not in cat for cat in CATALOGUES.values()), f"invariant id {id_} registered twice"
+        CATALOGUES[manager][id_] = Invariant(id_, title, (fn.__doc__ or "").strip(), lambda s: list(fn(s)),
+                                             needs_engine, enforced_by, manager, counterpart)
         return fn
 
     return wrap
 
 
+def manager_of(snapshot: Snapshot) -> str:
+    """Which manager a snapshot holds: its ``manager`` field, ``simple`` when absent."""
+    return str(snapshot.get("manager", "simple"))
+
+
 def check(snapshot: Snapshot, ids: Iterable[str] | None = None) -> list[Violation]:
-    """All violations of the chosen invariants (all by default) in ``snapshot``."""
+    """All violations of the chosen invariants (all of the snapshot's manager by default)."""
+    catalogue = CATALOGUES.get(manager_of(snapshot))
+    if catalogue is None:
+        raise ConfigError(f"snapshot of unknown manager {manager_of(snapshot)!r:.40}; known: {', '.join(CATALOGUES)}")
     out: list[Violation] = []
-    has_engine = "engine" in snapshot
-    for id_ in ids if ids is not None else CATALOGUE:
-        inv = CATALOGUE[id_]
+    has_engine = ("observed" if catalogue is OFFLOADING_CATALOGUE else "engine") in snapshot
+    for id_ in ids if ids is not None else catalogue:
+        inv = catalogue.get(id_)
+        if inv is None:
+            raise ConfigError(f"invariant {id_} is not one of the {manager_of(snapshot)} manager's")
         if inv.needs_engine and not has_engine:
             continue
         out.extend(inv.fn(snapshot))
@@ -683,3 +707,201 @@ def _c8(s: Snapshot) -> Iterable[Violation]:
 
 
 LOCAL_INVARIANTS = ("I1", "I2", "I3", "I4", "I6", "I7", "I9", "I13")
+
+
+# -- the second manager: vLLM's CPUOffloadingManager (OffloadingConnector) ----------------------
+#
+# A snapshot of it (``manager: offloading``) has ``chunks`` (key -> slot and ref count), the
+# ``free_list``, ``num_allocated``, the manager's two ``counters``, the ``policy``'s state and,
+# from a driver (``kvspec.drivers.offloading``), ``observed``: the loads and stores the driver
+# has in flight by its own calls and the last call's inputs and outputs. Invariants that read
+# ``observed`` are skipped without it (``needs_engine``: the driver is this manager's engine).
+
+
+def _refs(s: Snapshot) -> dict[str, int]:
+    return {k: c["ref_cnt"] for k, c in s["chunks"].items()}
+
+
+def _last(s: Snapshot, op: str) -> dict[str, Any] | None:
+    last = s["observed"]["last"]
+    return last if last.get("op") == op else None
+
+
+@invariant("O1", "chunk slots", manager="offloading", counterpart="I1, I3",
+           enforced_by=("model assertion", "stateful invariant", "Z3 proof"))
+def _o1(s: Snapshot) -> Iterable[Violation]:
+    """Every slot handed out so far is used by exactly one resident key or is on the free list
+    once: resident slots are distinct, free slots are distinct and unused, together they are
+    ``0..num_allocated-1``, and ``num_allocated <= num_chunks``."""
+    used = Counter(c["chunk"] for c in s["chunks"].values())
+    free: Counter[int] = Counter(s["free_list"])
+    n = s["num_allocated"]
+    if n > s["config"]["num_chunks"]:
+        yield Violation("O1", f"{n} slots allocated in a pool of {s['config']['num_chunks']}")
+    for slot, k in sorted((used + free).items()):
+        if k > 1:
+            yield Violation("O1", f"slot {slot} is held {used[slot]} times and free {free[slot]} times", (slot,))
+    missing = sorted(set(range(n)) - set(used) - set(free))
+    if missing:
+        yield Violation("O1", "allocated slots neither used nor free (leaked)", tuple(missing))
+    beyond = sorted(b for b in (used + free) if not 0 <= b < n)
+    if beyond:
+        yield Violation("O1", f"slots outside 0..{n - 1} used or free", tuple(beyond))
+
+
+@invariant("O2", "ref counts", needs_engine=True, manager="offloading", counterpart="I4, I13",
+           enforced_by=("model assertion", "stateful invariant", "Z3 proof"))
+def _o2(s: Snapshot) -> Iterable[Violation]:
+    """A resident key's ``ref_cnt`` is -1 ("being stored") exactly while a store of it is in
+    flight, and otherwise equals the number of its loads in flight (as the driver counts its own
+    ``prepare_load`` and ``complete_load`` calls)."""
+    loads, stores = s["observed"]["loads"], set(s["observed"]["stores"])
+    for key, ref in sorted(_refs(s).items()):
+        want = -1 if key in stores else loads.get(key, 0)
+        if ref != want:
+            what = "a store in flight" if key in stores else f"{want} load(s) in flight"
+            yield Violation("O2", f"key {key} has ref_cnt {ref} with {what}")
+
+
+@invariant("O3", "in-flight protection", needs_engine=True, manager="offloading", counterpart="I6",
+           enforced_by=("stateful invariant", "Z3 proof"))
+def _o3(s: Snapshot) -> Iterable[Violation]:
+    """A key with a load or a store in flight keeps its chunk: nothing being read or written is
+    evicted, dropped or handed to another key (#46951)."""
+    refs = _refs(s)
+    for key in sorted(set(s["observed"]["loads"]) | set(s["observed"]["stores"])):
+        if key not in refs:
+            yield Violation("O3", f"key {key} lost its chunk while a transfer of it is in flight")
+
+
+@invariant("O4", "no duplicate stores", needs_engine=True, manager="offloading", counterpart="I8")
+def _o4(s: Snapshot) -> Iterable[Violation]:
+    """A store allocates only keys it was offered that had no chunk before it, each once, and
+    its store spec names the slot each key now holds."""
+    last = _last(s, "store")
+    if last is None or last["failed"]:
+        return
+    stored, offered, pre = last["stored"], set(last["offered"]), last["pre_chunks"]
+    for key in sorted(k for k, n in Counter(stored).items() if n > 1):
+        yield Violation("O4", f"key {key} allocated twice by one store")
+    for key in stored:
+        if key not in offered:
+            yield Violation("O4", f"key {key} allocated but not offered")
+        elif key in pre:
+            yield Violation("O4", f"key {key} allocated again while it had a chunk (stored twice)")
+    for key, slot in zip(stored, last["chunk_ids"], strict=False):
+        held = s["chunks"].get(key, {}).get("chunk")
+        if held is not None and held != slot:
+            yield Violation("O4", f"store spec writes key {key} to slot {slot}, the key holds slot {held}", (slot,))
+
+
+@invariant("O5", "eviction protection", needs_engine=True, manager="offloading", counterpart="C5")
+def _o5(s: Snapshot) -> Iterable[Violation]:
+    """A store evicts only keys that were ready and unpinned (``ref_cnt == 0``) before it and that
+    it was not offered, and an evicted key has no chunk after it."""
+    last = _last(s, "store")
+    if last is None or last["failed"]:
+        return
+    for key in last["evicted"]:
+        ref = last["pre_chunks"].get(key, {}).get("ref_cnt")
+        if ref != 0:
+            yield Violation("O5", f"evicted key {key} had ref_cnt {ref} before the store")
+        if key in last["offered"]:
+            yield Violation("O5", f"evicted key {key} was offered to the same store")
+        if key in s["chunks"]:
+            yield Violation("O5", f"evicted key {key} still has a chunk")
+
+
+@invariant("O6", "no needless eviction", needs_engine=True, manager="offloading", counterpart="C6")
+def _o6(s: Snapshot) -> Iterable[Violation]:
+    """A store evicts exactly the shortfall: as many keys as it allocated beyond the slots free
+    before it. Without a store threshold, it fails only when it must: the shortfall of the keys
+    offered without a chunk exceeds the ready, unpinned keys it was not offered."""
+    last = _last(s, "store")
+    if last is None:
+        return
+    pre, offered = last["pre_chunks"], set(last["offered"])
+    free = s["config"]["num_chunks"] - len(pre)
+    if not last["failed"]:
+        want = max(0, len(last["stored"]) - free)
+        if len(last["evicted"]) != want:
+            yield Violation("O6", f"store of {len(last['stored'])} keys with {free} slots free evicted "
+                                  f"{len(last['evicted'])}, not {want}")
+        return
+    if s["config"]["store_threshold"] > 1:
+        return
+    shortfall = len(offered - set(pre)) - free
+    evictable = sum(1 for k, c in pre.items() if c["ref_cnt"] == 0 and k not in offered)
+    if shortfall <= evictable:
+        yield Violation("O6", f"store failed with a shortfall of {shortfall} and {evictable} evictable keys")
+
+
+@invariant("O7", "manager counters", manager="offloading", enforced_by=("model assertion", "stateful invariant"))
+def _o7(s: Snapshot) -> Iterable[Violation]:
+    """The manager's two counters equal what they count: ``evictable`` the resident keys with
+    ``ref_cnt == 0``, ``write_pending`` those with ``ref_cnt == -1`` (a drifted count makes
+    ``prepare_store`` fail or evict wrongly)."""
+    refs = list(_refs(s).values())
+    for name, want in (("evictable", refs.count(0)), ("write_pending", refs.count(-1))):
+        if s["counters"][name] != want:
+            yield Violation("O7", f"counter {name} is {s['counters'][name]}, the chunks say {want}")
+
+
+@invariant("O8", "lookup truth", needs_engine=True, manager="offloading", counterpart="I3")
+def _o8(s: Snapshot) -> Iterable[Violation]:
+    """A lookup answers from the chunk: ``HIT`` for a ready key, ``HIT_PENDING`` for one being
+    stored, ``MISS`` for a key without a chunk (what is cached is loadable, nothing else is)."""
+    last = _last(s, "lookup")
+    if last is None:
+        return
+    refs = _refs(s)
+    for key, got in last["results"].items():
+        ref = refs.get(key)
+        want = "MISS" if ref is None else ("HIT_PENDING" if ref < 0 else "HIT")
+        if got != want:
+            yield Violation("O8", f"lookup of {key} answered {got}, the chunk says {want}")
+
+
+def _key_bytes(text: str) -> bytes:
+    h, _, g = text.rpartition(":")
+    return h.encode() + int(g).to_bytes(4, "big")
+
+
+@invariant("O9", "LRU order", manager="offloading")
+def _o9(s: Snapshot) -> Iterable[Violation]:
+    """Under ``lru``: the eviction order lists exactly the ready, unpinned keys, by
+    ``(rank, key bytes)``; a store evicts the first keys of the order it saw that it was not
+    offered."""
+    lru = s["policy"].get("lru")
+    if lru is None:
+        return
+    refs = _refs(s)
+    if set(lru["order"]) != {k for k, r in refs.items() if r == 0} or len(lru["order"]) != len(set(lru["order"])):
+        yield Violation("O9", "the eviction order is not exactly the keys with ref_cnt 0")
+    elif lru["order"] != sorted(lru["order"], key=lambda k: (lru["ranks"][k], _key_bytes(k))):
+        yield Violation("O9", "the eviction order is not by (rank, key)")
+    last = _last(s, "store") if "observed" in s else None
+    if last is not None and not last["failed"] and last["pre_order"] is not None:
+        head = [k for k in last["pre_order"] if k not in last["offered"]][:len(last["evicted"])]
+        if sorted(head) != sorted(last["evicted"]):
+            yield Violation("O9", f"store evicted {last['evicted']}, the least recent were {head}")
+
+
+@invariant("O10", "ARC lists", manager="offloading")
+def _o10(s: Snapshot) -> Iterable[Violation]:
+    """Under ``arc``: T1 and T2 are disjoint and hold exactly the resident keys; the ghost lists
+    B1 and B2 are disjoint, hold no resident key and at most ``num_chunks`` keys each; the
+    target size of T1 is in ``[0, num_chunks]``."""
+    arc = s["policy"].get("arc")
+    if arc is None:
+        return
+    t1, t2, b1, b2 = (set(arc[n]) for n in ("t1", "t2", "b1", "b2"))
+    cap = s["config"]["num_chunks"]
+    if t1 & t2 or t1 | t2 != set(s["chunks"]):
+        yield Violation("O10", "T1 and T2 are not a partition of the resident keys")
+    if b1 & b2 or (b1 | b2) & set(s["chunks"]):
+        yield Violation("O10", "a ghost key is in both ghost lists or resident")
+    if len(arc["b1"]) > cap or len(arc["b2"]) > cap:
+        yield Violation("O10", f"a ghost list holds more than {cap} keys")
+    if not 0 <= arc["target_t1_size"] <= cap:
+        yield Violation("O10", f"target size {arc['target_t1_size']} outside [0, {cap}]")

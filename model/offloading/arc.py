@@ -98,7 +98,7 @@ class ARCPolicy:
             return []
 
         def candidates(entries: dict[OffloadKey, Chunk]) -> Iterator[OffloadKey]:
-            return (k for k, c in entries.items() if c.ref_cnt == 0 and k not in protected)
+            return (k for k, c in entries.items() if self.evictable(c) and k not in protected)
 
         from_t1, from_t2 = candidates(self.t1), candidates(self.t2)
         t1_size = len(self.t1)
@@ -128,6 +128,10 @@ class ARCPolicy:
             for key in list(ghost)[:max(0, len(ghost) - self.capacity)]:
                 del ghost[key]
         return out
+
+    def evictable(self, chunk: Chunk) -> bool:
+        """ARC reads the ref count when it evicts: ready and unpinned (``ref_cnt == 0``)."""
+        return chunk.ref_cnt == 0
 
     def clear(self) -> None:
         self.t1.clear()

@@ -33,7 +33,7 @@ twice in one call, an unknown or finished request, a malformed key.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvspec.contract.errors import InvalidOperationError, UnknownRequestError
@@ -54,10 +54,12 @@ from kvspec.model.offloading.policy import AccessRecord, CachePolicy, Chunk, Req
 class OffloadingManager:
     """The model target of the second manager (``OffloadingManagerTarget``)."""
 
+    POLICY_CLASSES: dict[str, Callable[[int], CachePolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
     def __init__(self, config: OffloadingConfig) -> None:
         config.validate()
         self._config = config
-        self.policy: CachePolicy = (LRUPolicy if config.policy == "lru" else ARCPolicy)(config.num_chunks)
+        self.policy: CachePolicy = self.POLICY_CLASSES[config.policy](config.num_chunks)
         self.num_allocated = 0
         self.free_list: list[int] = []
         self.num_evictable = 0  # vLLM's _num_evictable_cache_chunks
