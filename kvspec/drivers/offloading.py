@@ -125,7 +125,8 @@ class Driver:
                 results.append(t.lookup(req, key))
                 if results[-1] != "HIT":
                     break
-            self.observed.last = {"op": "lookup", "results": {key_text(k): r for k, r in zip(keys, results, strict=False)}}
+            answered = {key_text(k): r for k, r in zip(keys, results, strict=False)}
+            self.observed.last = {"op": "lookup", "results": answered}
             return results
         if kind == "load":
             chunk_ids = t.prepare_load(req, keys)

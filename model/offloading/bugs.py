@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvspec.contract.offloading import OffloadingConfig, OffloadKey, PrepareStoreOutput
 from kvspec.model.offloading.arc import ARCPolicy
 from kvspec.model.offloading.lru import LRUPolicy
 from kvspec.model.offloading.manager import OffloadingManager
-from kvspec.model.offloading.policy import STORING, Chunk, RequestContext
+from kvspec.model.offloading.policy import STORING, CachePolicy, Chunk, RequestContext
+
+
+Policies = dict[str, Callable[[int], CachePolicy]]
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,7 @@ class EvictsStoring(OffloadingManager):
     key, whose data the late copy then overwrites (#46951: a block reused while its store is
     pending)."""
 
-    POLICY_CLASSES = {"lru": _LRUEvictsStoring, "arc": _ARCEvictsStoring}
+    POLICY_CLASSES: ClassVar[Policies] = {"lru": _LRUEvictsStoring, "arc": _ARCEvictsStoring}
 
 
 class _ARCEvictsPinned(ARCPolicy):
@@ -69,7 +73,7 @@ class EvictsPinned(OffloadingManager):
     """A chunk pinned by a load in flight stays evictable: the load reads a slot another key
     now owns (the OffloadingConnector's ref counts exist to prevent it)."""
 
-    POLICY_CLASSES = {"lru": _LRUEvictsPinned, "arc": _ARCEvictsPinned}
+    POLICY_CLASSES: ClassVar[Policies] = {"lru": _LRUEvictsPinned, "arc": _ARCEvictsPinned}
 
 
 class ReadyAtAllocation(OffloadingManager):
@@ -129,7 +133,7 @@ class EvictsOffered(OffloadingManager):
     offered, already cached, is evicted to make room for its neighbours (vLLM protects them:
     "a chunk that was already stored must remain in the cache after this call")."""
 
-    POLICY_CLASSES = {"lru": _LRUEvictsOffered, "arc": _ARCEvictsOffered}
+    POLICY_CLASSES: ClassVar[Policies] = {"lru": _LRUEvictsOffered, "arc": _ARCEvictsOffered}
 
 
 class _LRUEvictsNewest(LRUPolicy):
@@ -140,7 +144,7 @@ class _LRUEvictsNewest(LRUPolicy):
 class EvictsNewest(OffloadingManager):
     """LRU evicts the most recently used key first (a reversed heap comparison)."""
 
-    POLICY_CLASSES = {"lru": _LRUEvictsNewest, "arc": ARCPolicy}
+    POLICY_CLASSES: ClassVar[Policies] = {"lru": _LRUEvictsNewest, "arc": ARCPolicy}
 
 
 class _ARCUntrimmedGhosts(ARCPolicy):
@@ -155,7 +159,7 @@ class _ARCUntrimmedGhosts(ARCPolicy):
 class UntrimmedGhosts(OffloadingManager):
     """ARC's ghost lists are never trimmed: B1 and B2 grow without bound with every eviction."""
 
-    POLICY_CLASSES = {"lru": LRUPolicy, "arc": _ARCUntrimmedGhosts}
+    POLICY_CLASSES: ClassVar[Policies] = {"lru": LRUPolicy, "arc": _ARCUntrimmedGhosts}
 
 
 class UnpinCountDrift(OffloadingManager):

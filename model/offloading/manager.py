@@ -34,7 +34,7 @@ twice in one call, an unknown or finished request, a malformed key.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from kvspec.contract.errors import InvalidOperationError, UnknownRequestError
 from kvspec.contract.offloading import OffloadingConfig, OffloadKey, PrepareStoreOutput, key_text
@@ -54,7 +54,7 @@ from kvspec.model.offloading.policy import AccessRecord, CachePolicy, Chunk, Req
 class OffloadingManager:
     """The model target of the second manager (``OffloadingManagerTarget``)."""
 
-    POLICY_CLASSES: dict[str, Callable[[int], CachePolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+    POLICY_CLASSES: ClassVar[dict[str, Callable[[int], CachePolicy]]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 
     def __init__(self, config: OffloadingConfig) -> None:
         config.validate()
