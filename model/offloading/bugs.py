@@ -20,7 +20,6 @@ from kvspec.model.offloading.lru import LRUPolicy
 from kvspec.model.offloading.manager import OffloadingManager
 from kvspec.model.offloading.policy import STORING, CachePolicy, Chunk, RequestContext
 
-
 Policies = dict[str, Callable[[int], CachePolicy]]
 
 
