@@ -65,6 +65,14 @@ run_tests "vLLM conformance stage" 900 .vllm-venv/bin/python tests/test_vllm_con
 run_tests "vLLM scheduler lockstep" 1200 .vllm-venv/bin/python tests/test_vllm_scheduler.py \
   KVSPEC_REQUIRE_VLLM=1 KVSPEC_VLLM_SCHEDULER_TRACES=250
 
+# The second manager: vLLM 0.33.0's own CPUOffloadingManager (the OffloadingConnector's, LRU and
+# ARC) in lockstep with kvspec's model on 1,000 random traces of 100 operations, every O-invariant
+# judged on vLLM's snapshots, two model rules broken on purpose and caught, the known-bug traces
+# clean on vLLM, refusals that leave vLLM unchanged (tests/test_vllm_offloading.py), bounded by
+# `timeout 600`.
+run_tests "vLLM offloading-manager lockstep" 600 .vllm-venv/bin/python tests/test_vllm_offloading.py \
+  KVSPEC_REQUIRE_VLLM=1 KVSPEC_VLLM_OFFLOADING_TRACES=1000
+
 # vLLM 0.33.0 with kvspec's patches (patches/vllm-0.33.0/): each built as its own venv by
 # scripts/setup-vllm-patched.sh (hard links to .vllm-venv, a few seconds), then
 # tests/test_vllm_patched.py in that venv: the policy's model in lockstep with the patched

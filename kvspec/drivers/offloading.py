@@ -146,28 +146,29 @@ class Driver:
             self.observed.last = {"op": "touch"}
             return None
         if kind == "store":
-            pre = t.snapshot()
-            out = t.prepare_store(req, keys)
-            self.observed.last = {"op": "store", "offered": [key_text(k) for k in keys],
-                                  "pre_chunks": pre["chunks"], "pre_order": _order(pre),
-                                  "failed": out is None}
-            if out is None:
-                return None
-            self.observed.stores.update(out.keys_to_store)
-            self.observed.last |= {"stored": [key_text(k) for k in out.keys_to_store],
-                                   "chunk_ids": list(out.chunk_ids),
-                                   "evicted": [key_text(k) for k in out.evicted_keys]}
-            return {"keys_to_store": _as_json(out.keys_to_store), "chunk_ids": list(out.chunk_ids),
-                    "evicted_keys": _as_json(out.evicted_keys)}
-        # store_done
-        success = op.get("success", True)
+            return self._store(req, keys)
+        return self._store_done(req, keys, op.get("success", True))
+
+    def _store(self, req: str, keys: list[OffloadKey]) -> dict[str, Any] | None:
+        pre = self.target.snapshot()
+        out = self.target.prepare_store(req, keys)
+        self.observed.last = {"op": "store", "offered": [key_text(k) for k in keys],
+                              "pre_chunks": pre["chunks"], "pre_order": _order(pre), "failed": out is None}
+        if out is None:
+            return None
+        self.observed.stores.update(out.keys_to_store)
+        self.observed.last |= {"stored": [key_text(k) for k in out.keys_to_store], "chunk_ids": list(out.chunk_ids),
+                               "evicted": [key_text(k) for k in out.evicted_keys]}
+        return {"keys_to_store": _as_json(out.keys_to_store), "chunk_ids": list(out.chunk_ids),
+                "evicted_keys": _as_json(out.evicted_keys)}
+
+    def _store_done(self, req: str, keys: list[OffloadKey], success: Any) -> None:
         missing = [k for k in keys if k not in self.observed.stores]
         if missing:
             raise InvalidOperationError(f"store_done: no store of {key_text(missing[0])} is in flight")
-        t.complete_store(req, keys, success)
+        self.target.complete_store(req, keys, success)
         self.observed.stores.difference_update(keys)
         self.observed.last = {"op": "store_done", "success": success}
-        return None
 
     def snapshot(self) -> dict[str, Any]:
         snap = self.target.snapshot()
@@ -279,9 +280,12 @@ class Generator:
         if kind == "touch":
             lo = rng.randrange(len(q.keys))
             return [{"op": "touch", "req": rid, "keys": _as_json(q.keys[lo:lo + rng.randint(1, 4)])}]
-        # store: the next blocks in prefix order, sometimes from the start again (prefix hits
-        # offered again), sometimes one block out of order (a sliding-window backfill)
-        g = self.num_groups
+        return [self._store_op(rid)]
+
+    def _store_op(self, rid: str) -> dict[str, Any]:
+        """The next blocks in prefix order; sometimes from the start again (prefix hits offered
+        again), sometimes from anywhere (a sliding-window backfill)."""
+        rng, q, g = self.rng, self.reqs[rid], self.num_groups
         blocks = len(q.keys) // g
         roll = rng.random()
         if roll < 0.15:
@@ -292,7 +296,7 @@ class Generator:
             lo = min(q.stored_upto, blocks - 1)
         hi = min(blocks, lo + rng.randint(1, 3))
         q.stored_upto = max(q.stored_upto, hi)
-        return [{"op": "store", "req": rid, "keys": _as_json(q.keys[lo * g:hi * g])}]
+        return {"op": "store", "req": rid, "keys": _as_json(q.keys[lo * g:hi * g])}
 
     def feed(self, op: dict[str, Any], result: Any) -> None:
         """What the target answered to ``op``: lookup hits and the keys a store must complete."""
