@@ -393,3 +393,14 @@ def test_cli_fuzz_refuses_options_of_the_other_manager_with_exit_2(args: tuple[s
 
 def test_model_target_is_an_offloading_manager_target() -> None:
     assert isinstance(make_offloading_manager(OffloadingConfig()), OffloadingManagerTarget)
+
+
+def test_spec_chapter_9_lists_every_offloading_invariant_and_variant_by_name() -> None:
+    spec = (Path(__file__).parents[1] / "specs" / "SPEC.md").read_text()
+    chapter = spec[spec.index("## 9. A second manager"):spec.index("## 10. Open points")]
+    rows = [ln.split("|") for ln in chapter.splitlines() if ln.startswith("| O")]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [(i, inv.title) for i, inv in OFFLOADING_CATALOGUE.items()]
+    for name, bug in OFFLOADING_BUGS.items():
+        assert f"| `{name}` |" in chapter and all(i in bug.oracle for i in
+                                                 [ln.split("|")[3].strip() for ln in chapter.splitlines()
+                                                  if ln.startswith(f"| `{name}` |")])
