@@ -52,8 +52,8 @@ class _LRUEvictsStoring(LRUPolicy):
 
 class EvictsStoring(OffloadingManager):
     """A chunk being stored counts as evictable: a store in flight can lose its slot to another
-    key, whose data the late copy then overwrites (#46951: a block reused while its store is
-    pending)."""
+    key, whose data the late copy then overwrites (the CPU side of the hazard vLLM #46951
+    reports for GPU blocks: a block re-allocated while a transfer of it is in flight)."""
 
     POLICY_CLASSES: ClassVar[Policies] = {"lru": _LRUEvictsStoring, "arc": _ARCEvictsStoring}
 
@@ -78,7 +78,8 @@ class EvictsPinned(OffloadingManager):
 class ReadyAtAllocation(OffloadingManager):
     """A new chunk is ready (``ref_cnt 0``) at ``prepare_store``, not at ``complete_store``:
     lookups answer HIT and loads read a slot whose copy has not landed (the -1 "being stored"
-    mark of #39186 / #45737 dropped)."""
+    mark, which vLLM #39186 relies on to keep a chunk invisible until its store completes,
+    dropped)."""
 
     def _allocate(self, n: int) -> list[Chunk]:
         chunks = super()._allocate(n)
@@ -172,11 +173,11 @@ class UnpinCountDrift(OffloadingManager):
 
 
 OFFLOADING_BUGS: dict[str, OffloadingBug] = {b.name: b for b in [
-    OffloadingBug("offloading-evict-storing", "vLLM #46951 (a block reused while its store is pending)",
+    OffloadingBug("offloading-evict-storing", "the being-stored mark (CPU side of vLLM #46951's hazard)",
                   EvictsStoring.__doc__ or "", ("O2", "O3", "O5"), EvictsStoring),
     OffloadingBug("offloading-evict-pinned", "the OffloadingManager's ref counts (prepare_load pins)",
                   EvictsPinned.__doc__ or "", ("O3", "O5"), EvictsPinned),
-    OffloadingBug("offloading-ready-at-allocation", "vLLM #39186 / #45737 (ref_cnt -1 marks a chunk being stored)",
+    OffloadingBug("offloading-ready-at-allocation", "the being-stored mark (ref_cnt -1; vLLM #39186)",
                   ReadyAtAllocation.__doc__ or "", ("O2", "O8"), ReadyAtAllocation),
     OffloadingBug("offloading-failed-store-leak", "complete_store(success=False) must free the slot",
                   FailedStoreLeaks.__doc__ or "", ("O1",), FailedStoreLeaks),
