@@ -70,7 +70,8 @@ def get_factory(name: str) -> TargetFactory:
         return release_factory(name.partition("@")[2], raw)
     spec = _FACTORIES.get(name)
     if spec is None:
-        raise ConfigError(f"unknown target {name!r}; known: {', '.join(target_names() + offloading_target_names())}")
+        raise ConfigError(f"unknown target {name!r}; known: {', '.join(target_names())}; "
+                          "also offloading, vllm-offloading")
     module, _, attr = spec.partition(":")
     try:
         mod = importlib.import_module(module)
