@@ -136,10 +136,14 @@ class TensorARC:
             return slots[torch.argsort(self.stamp[slots])]
         return slots[torch.topk(self.stamp[slots], k, largest=False, sorted=True).indices]
 
+    def _candidates(self, protected: torch.Tensor) -> torch.Tensor:
+        """Mask of the slots eviction may take: listed, ref count 0, not protected."""
+        return (self.where > 0) & (self.pool.ref == 0) & ~protected
+
     def evict(self, n: int, protected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Victim slots in vLLM's order and the list each came from; None when fewer than
         ``n`` are found (nothing changed)."""
-        cand = (self.pool.ref == 0) & ~protected
+        cand = self._candidates(protected)
         c1 = self._first(cand & (self.where == T1), n)
         c2 = self._first(cand & (self.where == T2), n)
         m1, m2 = c1.numel(), c2.numel()

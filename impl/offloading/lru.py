@@ -120,6 +120,11 @@ class TensorLRU:
         same = (a0[1:] == a0[:-1]) & (a1[1:] == a1[:-1])
         if not bool(same.any()):
             return out
+        return self._break_ties(out, same)
+
+    def _break_ties(self, out: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
+        """``out`` sorted by rank, ``same[i]`` when entries i and i+1 tie: each run of tied
+        entries put in key-bytes order (the bytes of the tied keys only compared)."""
         tied = torch.zeros(out.numel(), dtype=torch.bool, device=out.device)
         tied[1:] |= same
         tied[:-1] |= same
@@ -139,10 +144,14 @@ class TensorLRU:
     def evictable(self) -> torch.Tensor:
         return self.pool.resident() & (self.pool.ref == 0)
 
+    def _candidates(self, protected: torch.Tensor) -> torch.Tensor:
+        """Mask of the slots eviction may take: evictable (ref count 0), not protected."""
+        return self.evictable() & ~protected
+
     def evict(self, n: int, protected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The first ``n`` evictable unprotected slots in eviction order, and their ARC list
         (all 0 here); None when there are fewer."""
-        cand = torch.nonzero(self.evictable() & ~protected).squeeze(1)
+        cand = torch.nonzero(self._candidates(protected)).squeeze(1)
         if cand.numel() < n:
             return None
         if cand.numel() > n:
