@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -82,7 +83,7 @@ def _count_paths(paths: Counter[str], op: dict[str, Any], result: Any, before: d
     lru = after["policy"].get("lru")
     if lru is not None:
         ranks = [tuple(lru["ranks"][k]) for k in lru["order"]]
-        if any(a == b for a, b in zip(ranks, ranks[1:], strict=False)):
+        if any(a == b for a, b in pairwise(ranks)):
             paths["LRU order tie broken by key bytes"] += 1
 
 
@@ -197,7 +198,8 @@ class ModelAndImpl(RuleBasedStateMachine):
 
     policy = "lru"
 
-    @initialize(num_chunks=st.integers(2, 5), threshold=st.sampled_from([1, 1, 2]), tracker=st.sampled_from([3, 64_000]))
+    @initialize(num_chunks=st.integers(2, 5), threshold=st.sampled_from([1, 1, 2]),
+                tracker=st.sampled_from([3, 64_000]))
     def setup(self, num_chunks: int, threshold: int, tracker: int) -> None:
         cfg = OffloadingConfig(num_chunks=num_chunks, policy=self.policy, store_threshold=threshold,
                                max_tracker_size=tracker)
@@ -430,7 +432,7 @@ def test_refused_alike_and_nothing_changes(case: str, policy: str, threshold: in
         _scene(t)
         if threshold == 2:  # offer D twice so that it is admitted in the calls below
             t.prepare_store("r", [D])
-    before = impl.snapshot()
+    before, interned = impl.snapshot(), len(impl.keys)
     assert before == model.snapshot()
     raised = []
     for t in (model, impl):
@@ -439,6 +441,7 @@ def test_refused_alike_and_nothing_changes(case: str, policy: str, threshold: in
         raised.append(type(info.value))
     assert raised == [expected, expected]
     assert impl.snapshot() == before == model.snapshot()
+    assert len(impl.keys) == interned  # not even a key interned
     impl._check()
     # and both go on alike: the next valid call gives the same answer
     assert impl.prepare_store("r", [D]) == model.prepare_store("r", [D])

@@ -101,7 +101,7 @@ class TensorARC:
         """Last named first: a ready T1 key and any T2 key go to T2's end, a T1 key still
         being stored to T1's end; a key not resident may be a ghost hit."""
         rev = kids[::-1]
-        slots = self.keys.slot[self.keys.tensor(rev)]
+        slots = self.keys.slots_of(rev)
         res = slots >= 0
         s = slots[res]
         ready = self.pool.ref[s] >= 0
@@ -120,7 +120,7 @@ class TensorARC:
         """Tail to head: keys the request only inserted go to their list's end, ready ones it
         reused to T2's end."""
         rev = order[::-1]
-        slots = self.keys.slot[self.keys.tensor(rev)]
+        slots = self.keys.slots_of(rev)
         only = torch.tensor([k in insertion_only for k in rev], dtype=torch.bool, device=slots.device)
         again = torch.tensor([k in reused for k in rev], dtype=torch.bool, device=slots.device)
         pick = (slots >= 0) & (only | again)

@@ -68,6 +68,16 @@ class KeyTable:
         self._grow(len(self.keys))
         return out
 
+    def find(self, keys: Sequence[OffloadKey]) -> list[int]:
+        """The ids of ``keys`` without interning any: -1 for a key never seen. O(k)."""
+        ids = self.ids
+        return [ids.get(key, -1) for key in keys]
+
+    def slots_of(self, kids: Sequence[int]) -> torch.Tensor:
+        """Each id's slot; -1 for no slot or the id -1."""
+        kt = self.tensor(kids)
+        return torch.where(kt >= 0, self.slot[kt.clamp(min=0)], -1)
+
     def tensor(self, kids: Sequence[int]) -> torch.Tensor:
         return int_tensor(kids, self.device)
 

@@ -49,7 +49,7 @@ class TensorLRU:
         return req.lru_rank[1]
 
     def _resident_slots(self, kids: list[int]) -> torch.Tensor:
-        slots = self.keys.slot[self.keys.tensor(kids)]
+        slots = self.keys.slots_of(kids)
         return slots[slots >= 0]
 
     def insert(self, kids: list[int], slots: torch.Tensor, req: Request, generation: int) -> None:
@@ -94,7 +94,7 @@ class TensorLRU:
         pairs = [(k, p) for k in kids if (p := req.positions.get(k)) is not None]
         if not pairs:
             return
-        slots = self.keys.slot[self.keys.tensor([k for k, _ in pairs])]
+        slots = self.keys.slots_of([k for k, _ in pairs])
         neg_pos = -self.keys.tensor([p for _, p in pairs])
         live = slots >= 0
         slots, neg_pos = slots[live], neg_pos[live]

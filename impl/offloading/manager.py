@@ -118,7 +118,7 @@ class TensorOffloadingManager:
 
     def _slots_refs(self, kids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each key's slot (-1: none) and ref count (meaningless without a slot)."""
-        slots = self.keys.slot[self.keys.tensor(kids)]
+        slots = self.keys.slots_of(kids)
         refs = self.pool.ref[slots.clamp(min=0)]
         return slots, refs
 
@@ -142,7 +142,7 @@ class TensorOffloadingManager:
     def prepare_load(self, req_id: str, keys: Sequence[OffloadKey]) -> list[int]:
         req = self._req(req_id, submit=True)
         check_keys(keys)
-        kids = self.keys.intern(keys)
+        kids = self.keys.find(keys)  # all known once check_loadable passes
         slots, refs = self._slots_refs(kids)
         check_loadable(keys, self._ref_reader(keys, slots, refs).__getitem__)
         self.num_evictable -= int((refs == 0).sum())
@@ -153,12 +153,12 @@ class TensorOffloadingManager:
     def touch(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
         req = self._req(req_id, submit=True)
         check_keys(keys)
-        self.policy.touch(self.keys.intern(keys), req, self.generation)
+        self.policy.touch(self.keys.find(keys), req, self.generation)
 
     def complete_load(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
         self._req(req_id, submit=False)
         check_keys(keys)
-        kids = self.keys.intern(keys)
+        kids = self.keys.find(keys)
         slots, refs = self._slots_refs(kids)
         check_loading(keys, self._ref_reader(keys, slots, refs).__getitem__)
         self.pool.ref[slots] -= 1
@@ -253,7 +253,7 @@ class TensorOffloadingManager:
         self._req(req_id, submit=False)
         check_keys(keys)
         check_success(success)
-        kids = self.keys.intern(keys)
+        kids = self.keys.find(keys)
         slots, refs = self._slots_refs(kids)
         pending = slots[(slots >= 0) & (refs == STORING)]
         n = pending.numel()
