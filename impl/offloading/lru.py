@@ -9,7 +9,7 @@ first positioned insert or first access) and gives its key at position ``p`` the
 Ordering is two stable sorts (``rank1`` then ``rank0``); keys still tied on both are put in
 key-bytes order, which only the tied ones need (their bytes are compared in Python).
 Eviction of ``n`` first narrows the candidates to those whose ``rank0`` is at most the
-``n``-th smallest (``kthvalue``), so it sorts only those.
+``n``-th smallest (``topk``), so it sorts only those.
 """
 
 from __future__ import annotations
@@ -155,8 +155,9 @@ class TensorLRU:
         if cand.numel() < n:
             return None
         if cand.numel() > n:
-            kth = torch.kthvalue(self.rank0[cand], n).values
-            cand = cand[self.rank0[cand] <= kth]
+            r0 = self.rank0[cand]
+            kth = torch.topk(r0, n, largest=False, sorted=False).values.max()
+            cand = cand[r0 <= kth]
         victims = self.order(cand)[:n]
         return victims, torch.zeros_like(victims)
 
