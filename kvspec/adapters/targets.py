@@ -30,10 +30,12 @@ _FACTORIES: dict[str, str] = {
     "vllm+repair": "kvspec.adapters.vllm_patched:make_vllm_repair_target",
     "raw:vllm": "kvspec.adapters.vllm:make_raw_vllm_target",
 }
-# The second manager's targets (kvspec.contract.offloading.OffloadingManagerTarget): its model and
-# vLLM 0.33.0's own CPUOffloadingManager; bug:<name> for its variants (kvspec.model.offloading.bugs).
+# The second manager's targets (kvspec.contract.offloading.OffloadingManagerTarget): its model, its
+# torch implementation and vLLM 0.33.0's own CPUOffloadingManager; bug:<name> for its variants
+# (kvspec.model.offloading.bugs).
 _OFFLOADING_FACTORIES: dict[str, str] = {
     "offloading": "kvspec.model.offloading:make_offloading_manager",
+    "offloading-impl": "kvspec.impl.offloading:make_offloading_impl",
     "vllm-offloading": "kvspec.adapters.vllm_offloading:make_vllm_offloading_target",
 }
 RAW_PREFIX = "raw:"  # raw:vllm, raw:vllm@VERSION: real vLLM with the model's rules left to vLLM
