@@ -90,8 +90,9 @@ def offloading_target_names() -> list[str]:
 
 
 def is_offloading_target(name: str) -> bool:
-    """Whether ``name`` is a target of the second manager (``OffloadingManagerTarget``)."""
-    return name in offloading_target_names()
+    """Whether ``name`` is a target of the second manager (``OffloadingManagerTarget``), with
+    ``vllm-offloading@VERSION`` for a release's own manager (run in that release's venv)."""
+    return name in offloading_target_names() or name.startswith("vllm-offloading@")
 
 
 def get_offloading_factory(name: str) -> OffloadingFactory:
@@ -101,6 +102,10 @@ def get_offloading_factory(name: str) -> OffloadingFactory:
 
         if name[4:] in OFFLOADING_BUGS:
             return OFFLOADING_BUGS[name[4:]].manager
+    if name.startswith("vllm-offloading@"):
+        from kvspec.adapters.vllm_offloading import release_factory
+
+        return release_factory(name.partition("@")[2])
     spec = _OFFLOADING_FACTORIES.get(name)
     if spec is None:
         raise ConfigError(f"unknown offloading target {name!r}; known: {', '.join(offloading_target_names())}")

@@ -21,7 +21,7 @@ format; nothing in it comes from kvspec's model.
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -39,15 +39,18 @@ from kvspec.contract.offloading_checks import (
 VLLM_VERSION = "0.33.0"
 
 
-def _import_vllm() -> SimpleNamespace:
+def _import_vllm(release: str | None) -> SimpleNamespace:
     """vLLM's classes; ``ConfigError`` saying how to get them when they are not importable."""
+    want = release or VLLM_VERSION
+    name = "vllm-offloading" + (f"@{release}" if release else "")
     try:
         version = importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
-        raise ConfigError("target 'vllm-offloading' needs vLLM 0.33.0 in this Python: run it from the venv "
-                          "built by scripts/setup-vllm-venv.sh (.vllm-venv/bin/kvspec)") from None
-    if version != VLLM_VERSION:
-        raise ConfigError(f"target 'vllm-offloading' is written against vLLM {VLLM_VERSION}, found {version}")
+        where = f".vllm-venvs/{release} (scripts/setup-vllm-release.sh {release})" if release else \
+            ".vllm-venv (scripts/setup-vllm-venv.sh)"
+        raise ConfigError(f"target {name!r} needs vLLM {want} in this Python: run it from {where}") from None
+    if version != want:
+        raise ConfigError(f"target {name!r} needs vLLM {want}, found {version}")
     try:
         from vllm.v1.kv_offload import base
         from vllm.v1.kv_offload.cpu import manager
@@ -64,10 +67,10 @@ def _unpack(raw: bytes) -> OffloadKey:
 class VllmOffloadingTarget:
     """vLLM's ``CPUOffloadingManager`` behind ``OffloadingManagerTarget``."""
 
-    def __init__(self, config: OffloadingConfig) -> None:
+    def __init__(self, config: OffloadingConfig, release: str | None = None) -> None:
         config.validate()
         self._config = config
-        self._v = _import_vllm()
+        self._v = _import_vllm(release)
         self.manager = self._v.manager.CPUOffloadingManager(
             config.num_chunks, cache_policy=config.policy, store_threshold=config.store_threshold,
             max_tracker_size=config.max_tracker_size)
@@ -109,13 +112,18 @@ class VllmOffloadingTarget:
     def set_key_positions(self, req_id: str, positions: Sequence[tuple[OffloadKey, int]]) -> None:
         ctx = self._ctx(req_id, submit=True)
         check_positions(positions)
+        if not hasattr(ctx, "set_offload_key_position"):  # releases whose contexts carry no positions
+            return
         for key, position in positions:
             ctx.set_offload_key_position(self._key(key), position)
 
     def lookup(self, req_id: str, key: OffloadKey) -> str:
         ctx = self._ctx(req_id, submit=True)
         check_keys([key])
-        return str(self.manager.lookup(self._key(key), ctx).name)
+        result = self.manager.lookup(self._key(key), ctx)
+        if isinstance(result, bool) or result is None:  # releases before 0.29: True, None (pending), False
+            return {True: "HIT", None: "HIT_PENDING", False: "MISS"}[result]
+        return str(result.name)
 
     def prepare_load(self, req_id: str, keys: Sequence[OffloadKey]) -> list[int]:
         ctx = self._ctx(req_id, submit=True)
@@ -162,44 +170,81 @@ class VllmOffloadingTarget:
     # -- observation --------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
+        """vLLM's state in the canonical format. Releases name the same state differently
+        (``blocks``/``chunks``, ``block_id``/``chunk_id``) or lack parts of it (counters, ranks,
+        request records before 0.31): what a release does not have is null, and the invariants
+        that read it skip it."""
         m = self.manager
         policy = m._policy
         if self._config.policy == "lru":
-            resident = dict(policy.chunks)
-            order = sorted(policy._evictable, key=lambda k: (policy._ranks[k], k))
-            policy_state: dict[str, Any] = {
-                "order": [key_text(_unpack(k)) for k in order],
-                "ranks": {key_text(k): list(r) for k, r in sorted((_unpack(k), r) for k, r in policy._ranks.items())},
-                "next_rank": policy._next_rank}
+            resident = dict(_attr(policy, "chunks", "blocks"))
+            policy_state = self._lru_state(policy, resident)
         else:
             resident = {**policy.t1, **policy.t2}
             policy_state = {name: [key_text(_unpack(k)) for k in getattr(policy, name)]
                             for name in ("t1", "t2", "b1", "b2")}
             policy_state["target_t1_size"] = float(policy.target_t1_size)
-        access_cls = self._v.manager._RequestCacheAccess
+        evictable = _attr(m, "_num_evictable_cache_chunks", "_num_evictable_cache_blocks", default=None)
+        pending = _attr(m, "_num_write_pending_chunks", "_num_write_pending_blocks", default=None)
+        return {
+            "manager": "offloading",
+            "config": self._config.to_json(),
+            "chunks": {key_text(k): {"chunk": int(_attr(c, "chunk_id", "block_id")), "ref_cnt": int(c.ref_cnt)}
+                       for k, c in sorted((_unpack(k), c) for k, c in resident.items())},
+            "free_list": [int(c) for c in m._free_list],
+            "num_allocated": int(_attr(m, "_num_allocated_chunks", "_num_allocated_blocks")),
+            "counters": None if evictable is None or pending is None else
+            {"evictable": int(evictable), "write_pending": int(pending)},
+            "policy": {self._config.policy: policy_state},
+            "offers": None if m.counts is None else [[key_text(_unpack(k)), int(n)] for k, n in m.counts.items()],
+            "requests": self._requests(),
+        }
+
+    def _lru_state(self, policy: Any, resident: dict[bytes, Any]) -> dict[str, Any]:
+        ranks = getattr(policy, "_ranks", None)
+        if ranks is not None:  # 0.31 on: ranks (an int, or a pair from 0.33), the heap's order
+            order = sorted(policy._evictable, key=lambda k: (ranks[k], k))
+            return {"order": [key_text(_unpack(k)) for k in order],
+                    "ranks": {key_text(k): list(r) if isinstance(r, tuple) else [int(r), 0]
+                              for k, r in sorted((_unpack(k), r) for k, r in ranks.items())},
+                    "next_rank": int(policy._next_rank)}
+        listed = getattr(policy, "evictable_blocks", None)  # 0.29: an ordered evictable list
+        keys = list(listed) if listed is not None else [k for k, c in resident.items() if c.ref_cnt == 0]
+        return {"order": [key_text(_unpack(k)) for k in keys], "ranks": None, "next_rank": None}
+
+    def _requests(self) -> dict[str, Any]:
+        access_cls = getattr(self._v.manager, "_RequestCacheAccess", None)
+        m = self.manager
         requests: dict[str, Any] = {}
         for rid, ctx in sorted(self._contexts.items()):
-            rec = ctx.get_state(access_cls)
+            rec = None if access_cls is None else ctx.get_state(access_cls)
             current = rec is not None and rec.owner is m and rec.cache_generation == m._cache_generation
             requests[rid] = None if not current else {
                 "finished": bool(rec.finished),
                 **{name: sorted(key_text(_unpack(k)) for k in getattr(rec, attr)) for name, attr in
                    (("seen", "seen_keys"), ("inserted", "inserted_keys"), ("reused", "reused_keys"),
                     ("store_misses", "store_miss_keys"))}}
-        return {
-            "manager": "offloading",
-            "config": self._config.to_json(),
-            "chunks": {key_text(k): {"chunk": int(c.chunk_id), "ref_cnt": int(c.ref_cnt)}
-                       for k, c in sorted((_unpack(k), c) for k, c in resident.items())},
-            "free_list": [int(c) for c in m._free_list],
-            "num_allocated": int(m._num_allocated_chunks),
-            "counters": {"evictable": int(m._num_evictable_cache_chunks),
-                         "write_pending": int(m._num_write_pending_chunks)},
-            "policy": {self._config.policy: policy_state},
-            "offers": None if m.counts is None else [[key_text(_unpack(k)), int(n)] for k, n in m.counts.items()],
-            "requests": requests,
-        }
+        return requests
+
+
+_MISSING = object()
+
+
+def _attr(obj: Any, *names: str, default: Any = _MISSING) -> Any:
+    """The first of ``names`` that ``obj`` has (releases rename fields); ``default`` if none."""
+    for name in names:
+        if hasattr(obj, name):
+            return getattr(obj, name)
+    if default is _MISSING:
+        raise ConfigError(f"this vLLM's {type(obj).__name__} has none of {', '.join(names)}: "
+                          "kvspec's adapter does not know this release")
+    return default
 
 
 def make_vllm_offloading_target(config: OffloadingConfig) -> VllmOffloadingTarget:
     return VllmOffloadingTarget(config)
+
+
+def release_factory(release: str) -> Callable[[OffloadingConfig], VllmOffloadingTarget]:
+    """The factory of ``vllm-offloading@RELEASE``: that release's own manager, in its venv."""
+    return lambda config: VllmOffloadingTarget(config, release)
