@@ -19,6 +19,8 @@ Kinds:
 * ``witness`` — a run from registration reaches a branch the proofs rely on (a re-store, a
   consumed record, the flag set and consumed, a pin that stops the scan, a completion that
   registers): ``reached``.
+* ``mutation`` — the second manager's (``offloading_obligations.py``): a broken transition
+  under which a proof's property fails, Z3 finding the counterexample: ``caught``.
 
 Every solver gets a fixed ``random_seed`` and an ``rlimit``; a check that exhausts the
 rlimit reports ``unknown`` (a failure), never a silent pass.
@@ -60,7 +62,7 @@ NIGHTLY_BOUND_G2 = 3  # and, two groups, every pair of lengths <= NIGHTLY_BOUND_
 PROFILES = ("default", "nightly")
 
 PASS = {"proof": "holds", "bounded": "holds", "counterexample": "found", "vacuity": "ok", "existence": "holds",
-        "witness": "reached"}
+        "witness": "reached", "mutation": "caught"}
 
 
 def solver(seed: int = SEED) -> z3.Solver:
