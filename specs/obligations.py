@@ -938,7 +938,16 @@ def _default_catalogue(quick: bool) -> list[Obligation]:
                                                           use_hint=True)))
     obs.append(Obligation("vacuity:lost-record", "repair", "vacuity",
                           lambda: witness(Quant(1), "repair", evict, _lost_record, prop="c2")))
-    return obs + existence_and_cover(groups) + convergence_obligations() + keylevel_obligations()
+    return (obs + existence_and_cover(groups) + convergence_obligations() + keylevel_obligations()
+            + _offloading_obligations())
+
+
+def _offloading_obligations() -> list[Obligation]:
+    """The second manager's (``offloading_obligations.py``; imported here, as it builds on this
+    module's helpers)."""
+    from kvspec.specs.offloading_obligations import offloading_obligations
+
+    return offloading_obligations()
 
 
 def existence_and_cover(groups: tuple[int, ...]) -> list[Obligation]:

@@ -52,12 +52,15 @@ def _goal(prop: str, B: E.Backend, s: E.OState, st: E.Step) -> Any:
     return E.PROPERTIES[prop](B, st.post)
 
 
-def hint(B: E.Backend, s: E.OState) -> list[Any]:
-    """A concrete pre-state for the satisfiability half of a check on ``Quant`` (model-based
-    quantifier instantiation alone may give up on satisfiable formulas): ``N = 4``, three slots
-    allocated: key 0 ready in slot 0, key 1 in slot 1 with one load in flight, key 2 being stored
-    in slot 2; nothing free. Every transition's precondition can be met from it. The unrolled
-    encoding needs no hint."""
+def hints(B: E.Backend, s: E.OState) -> list[list[Any]]:
+    """Concrete pre-states for the satisfiability half of a check on ``Quant`` (model-based
+    quantifier instantiation alone may give up on satisfiable formulas), each a conjunction: key 0
+    ready and unloaded, key 1 ready with one load in flight, key 2 being stored, in slots 0-2, and
+
+    * ``room``: ``N = 4``, slot 3 never used;
+    * ``full``: ``N = 4``, slot 3 on the free list (only a free-list allocation is possible).
+
+    Every transition's precondition can be met from ``room``. The unrolled encoding needs none."""
     if not isinstance(B, E.Quant):
         return []
 
@@ -67,21 +70,27 @@ def hint(B: E.Backend, s: E.OState) -> list[Any]:
             a = z3.Store(a, i, v)
         return a
 
-    return [s.n == 4, s.nalloc == 3, s.res == arr(False, {0: True, 1: True, 2: True}),
-            s.slot == arr(0, {1: 1, 2: 2}), s.ref == arr(0, {1: 1, 2: E.STORING}), s.loads == arr(0, {1: 1}),
-            s.stores == arr(False, {2: True}), s.used == arr(False, {0: True, 1: True, 2: True}),
-            s.free == arr(False, {}), s.owner == arr(0, {1: 1, 2: 2})]
+    common = [s.n == 4, s.res == arr(False, {0: True, 1: True, 2: True}), s.slot == arr(0, {1: 1, 2: 2}),
+              s.ref == arr(0, {1: 1, 2: E.STORING}), s.loads == arr(0, {1: 1}), s.stores == arr(False, {2: True}),
+              s.used == arr(False, {0: True, 1: True, 2: True}), s.owner == arr(0, {1: 1, 2: 2})]
+    return [[*common, s.nalloc == 3, s.free == arr(False, {})],
+            [*common, s.nalloc == 4, s.free == arr(False, {3: True})]]
 
 
-def _decide(assumptions: list[Any], goal: Any, wit: list[Any]) -> tuple[str, str]:
-    """``_valid`` (satisfiable assumptions, with the hint ``wit``, and then the goal entailed),
-    but first a counterexample on the hint's concrete state: a model of the stronger formula is a
+def hint(B: E.Backend, s: E.OState) -> list[Any]:
+    """The first of ``hints`` (``room``), or none."""
+    return (hints(B, s) or [[]])[0]
+
+
+def _decide(assumptions: list[Any], goal: Any, wits: list[list[Any]]) -> tuple[str, str]:
+    """``_valid`` (satisfiable assumptions, with the first hint, and then the goal entailed), but
+    first a counterexample on each hint's concrete state: a model of the stronger formula is a
     model, and the quantified search for one may give up where the concrete one is immediate."""
-    if wit:
+    for wit in wits:
         r, _ = _check([*assumptions, *wit, z3.Not(goal)])
         if r == z3.sat:
-            return "fails", "counterexample on the concrete hint state"
-    return _valid(assumptions, goal, wit)
+            return "fails", "counterexample on a concrete hint state"
+    return _valid(assumptions, goal, wits[0] if wits else None)
 
 
 def _transitions(prop: str) -> list[str]:
@@ -107,7 +116,7 @@ def inductive(B: E.Backend, prop: str, mutate: E.Mutation | None = None) -> Chec
         goal = _goal(prop, B, s, st)
         if prop in E.PROPERTIES:
             goal = B.And(goal, E.inv(B, st.post, prop))
-        out.append((name, *_decide([E.inv(B, s, prop), *st.pre, *st.cons], goal, hint(B, s))))
+        out.append((name, *_decide([E.inv(B, s, prop), *st.pre, *st.cons], goal, hints(B, s))))
     return _all_steps(out)
 
 
@@ -137,7 +146,11 @@ def existence(B: E.Backend) -> Checked:
             continue
         none = z3.Not(z3.And(st.cons)) if st.cons else z3.BoolVal(False)
         chosen = list(st.choices.values())
-        r, sv = _check([*base, z3.ForAll(chosen, none) if chosen else none])
+        stuck = z3.ForAll(chosen, none) if chosen else none
+        if any(_check([*base, *wit, stuck])[0] == z3.sat for wit in hints(B, s)):
+            out.append((name, "fails", "a state without a successor"))
+            continue
+        r, sv = _check([*base, stuck])
         if r == z3.unsat:
             out.append((name, "holds", ""))
         else:
