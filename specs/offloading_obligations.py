@@ -19,7 +19,7 @@ driver's observations. Every obligation's policy is ``offloading``; names start 
   property FAILS: Z3 finds an invariant state and a mutated step breaking it (``caught``).
   Every proof can fail.
 
-Solvers as in ``obligations.py`` (``_check``: fixed seed, rlimit, two fixed retries).
+Solvers as in ``obligations.py`` (``solving._check``: fixed seed, rlimit, two fixed retries).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import z3
 
 from kvspec.specs import offloading_encoding as E
-from kvspec.specs.obligations import Obligation, _all_steps, _check, _sat, _valid
+from kvspec.specs.solving import Obligation, _all_steps, _check, _sat, _valid
 
 POLICY = "offloading"
 BOUND_K, BOUND_M = 5, 4  # bounded cross-checks: 5 keys, every N <= 4
