@@ -157,13 +157,14 @@ def test_every_model_operation_is_a_run_of_the_transitions() -> None:
             last = after["observed"]["last"]
             kind = op["op"]
             if kind == "store" and last.get("evicted"):
-                kind = "store-evicting"
+                kind = "store-evicting-" + driver.target.config.policy
             if kind == "store_done" and not op.get("success", True):
                 kind = "store_done-failed"
             seen[kind] = seen.get(kind, 0) + 1
     assert policies == {"lru", "arc"}
     # the traces reach every transition, evictions and failed stores included
-    for kind in ("store", "store-evicting", "store_done", "store_done-failed", "load", "load_done", "reset"):
+    for kind in ("store", "store-evicting-lru", "store-evicting-arc", "store_done", "store_done-failed", "load",
+                 "load_done", "reset"):
         assert seen.get(kind, 0) > 0, (kind, seen)
 
 
