@@ -163,7 +163,8 @@ class Quant(Backend):
 class Unrolled(Backend):
     """``K`` keys, ``M`` slots, ``0 < N <= M``: lists of constants, no quantifiers, no arrays.
     A read at a symbolic index is an ``If`` chain over the domain (its last entry where the
-    index is out of range, which ``in_range`` rules out wherever a transition reads)."""
+    index is out of range: ``in_range`` rules that out for the keys and slots a transition acts
+    on, and the invariant for a resident key's slot and a used slot's owner)."""
 
     kind = "unrolled"
 
