@@ -19,23 +19,38 @@ Kinds:
 * ``witness`` — a run from registration reaches a branch the proofs rely on (a re-store, a
   consumed record, the flag set and consumed, a pin that stops the scan, a completion that
   registers): ``reached``.
+* ``mutation`` — the second manager's (``offloading_obligations.py``): a broken transition
+  under which a proof's property fails, Z3 finding the counterexample: ``caught``.
 
 Every solver gets a fixed ``random_seed`` and an ``rlimit``; a check that exhausts the
-rlimit reports ``unknown`` (a failure), never a silent pass.
+rlimit reports ``unknown`` (a failure), never a silent pass. That machinery (the records,
+the expected result per kind, the solver calls) is ``solving.py``, re-exported here; the
+catalogue ends with the second manager's obligations (``offloading_obligations.py``).
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import z3
 
 from kvspec.specs.encoding import Encoding, Quant, State, Unrolled, reset_names
 from kvspec.specs.realizable import POSITIONS, realizable
+from kvspec.specs.solving import PASS as PASS
+from kvspec.specs.solving import RLIMIT as RLIMIT
+from kvspec.specs.solving import SEED as SEED
+from kvspec.specs.solving import TIMEOUT_MS as TIMEOUT_MS
+from kvspec.specs.solving import CheckFn as CheckFn
+from kvspec.specs.solving import Obligation as Obligation
+from kvspec.specs.solving import Result as Result
+from kvspec.specs.solving import _all_steps as _all_steps
+from kvspec.specs.solving import _check as _check
+from kvspec.specs.solving import _sat as _sat
+from kvspec.specs.solving import _valid as _valid
+from kvspec.specs.solving import solver as solver
 from kvspec.specs.transitions import (
     CURSOR_RESETS,
     TRANSITIONS,
@@ -50,111 +65,11 @@ from kvspec.specs.transitions import (
     transitions_for,
 )
 
-SEED = 7
-RLIMIT = 20_000_000
-TIMEOUT_MS = 60_000
 BOUND = 8  # bounded cross-check: every N <= BOUND
 BOUND_G2 = 2  # two groups: every pair of lengths <= BOUND_G2
 NIGHTLY_BOUND = 12  # the nightly profile's bounded checks: every N <= NIGHTLY_BOUND
 NIGHTLY_BOUND_G2 = 3  # and, two groups, every pair of lengths <= NIGHTLY_BOUND_G2
 PROFILES = ("default", "nightly")
-
-PASS = {"proof": "holds", "bounded": "holds", "counterexample": "found", "vacuity": "ok", "existence": "holds",
-        "witness": "reached"}
-
-
-def solver(seed: int = SEED) -> z3.Solver:
-    s = z3.Solver()
-    s.set("random_seed", seed)
-    s.set("rlimit", RLIMIT)
-    s.set("timeout", TIMEOUT_MS)  # safety net only: the rlimit is what normally stops a check
-    return s
-
-
-def _check(constraints: list[z3.BoolRef]) -> tuple[z3.CheckSatResult, z3.Solver]:
-    """Check with the fixed seed; on 'unknown' (quantifier instantiation gave up) retry with the
-    next two fixed seeds. Deterministic: the same formulas give the same answer every run."""
-    for seed in (SEED, SEED + 1, SEED + 2):
-        s = solver(seed)
-        s.add(*constraints)
-        r = s.check()
-        if r != z3.unknown:
-            break
-    return r, s
-
-
-@dataclass
-class Result:
-    name: str
-    policy: str
-    kind: str
-    result: str
-    seconds: float
-    detail: str = ""
-    model: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.result == PASS[self.kind]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "policy": self.policy, "kind": self.kind, "result": self.result,
-                "seconds": round(self.seconds, 3), "ok": self.ok, "detail": self.detail}
-
-
-class CheckFn(Protocol):
-    """An obligation's check, called with no arguments (the catalogue's lambdas bind their loop
-    variables as defaults) -> (result, detail, model values)."""
-
-    def __call__(self) -> tuple[str, str, dict[str, Any]]: ...
-
-
-@dataclass(frozen=True)
-class Obligation:
-    name: str
-    policy: str
-    kind: str
-    check: CheckFn  # -> (result, detail, model values)
-    statement: str = ""
-
-    def run(self) -> Result:
-        t0 = time.perf_counter()
-        reset_names()
-        result, detail, model = self.check()
-        return Result(self.name, self.policy, self.kind, result, time.perf_counter() - t0, detail, model)
-
-
-# -- check helpers -----------------------------------------------------------------------------
-
-
-def _valid(assumptions: list[z3.BoolRef], goal: z3.BoolRef,
-           witness: list[z3.BoolRef] | None = None) -> tuple[str, str]:
-    """'holds' iff assumptions are satisfiable and entail goal; else 'vacuous'/'fails'/'unknown'.
-
-    ``witness``: extra constraints for the satisfiability check only (a concrete instance
-    where model-based quantifier instantiation alone gives up); satisfiable with them
-    implies satisfiable without."""
-    r, s = _check([*assumptions, *(witness or [])])
-    if r == z3.unsat:
-        return "vacuous", "assumptions unsatisfiable"
-    if r == z3.unknown:
-        return "unknown", f"assumptions: {s.reason_unknown()}"
-    r, s = _check([*assumptions, z3.Not(goal)])
-    if r == z3.unsat:
-        return "holds", ""
-    if r == z3.sat:
-        return "fails", "counterexample to the goal"
-    return "unknown", s.reason_unknown()
-
-
-def _sat(assumptions: list[z3.BoolRef], read: Callable[[z3.ModelRef], dict[str, Any]] | None = None
-         ) -> tuple[str, dict[str, Any]]:
-    r, s = _check(assumptions)
-    if r == z3.sat:
-        return "sat", (read(s.model()) if read else {})
-    if r == z3.unsat:
-        return "unsat", {}
-    return "unknown", {"reason": s.reason_unknown()}
 
 
 def hint(enc: Encoding, s: State) -> list[z3.BoolRef]:
@@ -170,14 +85,6 @@ def hint(enc: Encoding, s: State) -> list[z3.BoolRef]:
         out += [grp.n == 2, grp.cur == 0]
         out += [grp.arr[a] == (t if a in ("hashed", "owned") else f) for a in grp.arr]
     return out
-
-
-def _all_steps(results: list[tuple[str, str, str]]) -> tuple[str, str, dict[str, Any]]:
-    """Combine per-transition results: the first non-'holds' decides; details name the step."""
-    for step, r, d in results:
-        if r != "holds":
-            return r, f"{step}: {d}".strip(": "), {}
-    return "holds", f"{len(results)} checks", {}
 
 
 def _step(enc: Encoding, policy: str, fn: Callable[[Encoding, str, State], Step]) -> tuple[State, Step]:
@@ -936,7 +843,16 @@ def _default_catalogue(quick: bool) -> list[Obligation]:
                                                           use_hint=True)))
     obs.append(Obligation("vacuity:lost-record", "repair", "vacuity",
                           lambda: witness(Quant(1), "repair", evict, _lost_record, prop="c2")))
-    return obs + existence_and_cover(groups) + convergence_obligations() + keylevel_obligations()
+    return (obs + existence_and_cover(groups) + convergence_obligations() + keylevel_obligations()
+            + _offloading_obligations())
+
+
+def _offloading_obligations() -> list[Obligation]:
+    """The second manager's (``offloading_obligations.py``; imported here, as it builds on this
+    module's helpers)."""
+    from kvspec.specs.offloading_obligations import offloading_obligations
+
+    return offloading_obligations()
 
 
 def existence_and_cover(groups: tuple[int, ...]) -> list[Obligation]:

@@ -3,10 +3,11 @@
 Exit 0 only when every proof and bounded check holds, every expected counterexample is
 found (and each completeness counterexample becomes an engine trace that reaches its
 pre-state and reproduces its holes, each convergence counterexample one that reaches its
-pre-state and leaves its pending set, ``kvspec.drivers.synthesis``) and every vacuity check
-passes; 1 otherwise; 2 for bad usage (``-k`` empty or matching no obligation, with or without
-``--list``; a ``--traces`` directory that cannot be made). ``--list --json`` prints the list
-as JSON.
+pre-state and leaves its pending set, ``kvspec.drivers.synthesis``), every vacuity check
+passes, every existence check holds, every witness is reached and every mutation is caught
+(the second manager's, ``kvspec.specs.offloading_obligations``); 1 otherwise; 2 for bad usage
+(``-k`` empty or matching no obligation, with or without ``--list``; a ``--traces`` directory
+that cannot be made). ``--list --json`` prints the list as JSON.
 """
 
 from __future__ import annotations
