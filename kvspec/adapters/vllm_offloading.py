@@ -218,8 +218,10 @@ class VllmOffloadingTarget:
         requests: dict[str, Any] = {}
         for rid, ctx in sorted(self._contexts.items()):
             rec = None if access_cls is None else ctx.get_state(access_cls)
-            current = rec is not None and rec.owner is m and rec.cache_generation == m._cache_generation
-            requests[rid] = None if not current else {
+            if rec is None or rec.owner is not m or rec.cache_generation != m._cache_generation:
+                requests[rid] = None
+                continue
+            requests[rid] = {
                 "finished": bool(rec.finished),
                 **{name: sorted(key_text(_unpack(k)) for k in getattr(rec, attr)) for name, attr in
                    (("seen", "seen_keys"), ("inserted", "inserted_keys"), ("reused", "reused_keys"),
