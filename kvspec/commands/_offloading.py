@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +97,8 @@ def fuzz(args: argparse.Namespace) -> int:
                            "seconds": round(res.seconds, 3),
                            "finding": None if res.finding is None else {
                                **res.finding.to_json(), "trace": str(saved), "ops": len(res.trace),
-                               "shrunk_from": res.shrunk_from}}
+                               "shrunk_from": res.shrunk_from,
+                               "config": None if res.config is None else res.config.to_json()}}
     if args.json:
         print(json.dumps(doc))
     else:
@@ -157,3 +161,116 @@ def trace_is_offloading(path: str) -> bool:
     except (OSError, ValueError):
         return False
 
+
+
+# -- kvspec history --manager offloading ---------------------------------------------------------
+
+# Releases whose CPUOffloadingManager has the interface kvspec's adapter speaks (request contexts,
+# keys packed with the group): 0.23.0 on. 0.19.x looks blocks up by hash lists without contexts.
+OFFLOADING_RELEASES = ("0.23.0", "0.29.0", "0.31.0", "0.33.0")
+
+@dataclass(frozen=True)
+class KnownCause:
+    """A public vLLM change whose cause, read in the releases' code, shows as these findings: the
+    invariants, under these policies, in configurations ``applies`` accepts, in releases before
+    ``fixed_in``."""
+
+    text: str
+    invariants: frozenset[str]
+    policies: frozenset[str]
+    fixed_in: str
+    applies: Callable[[dict[str, Any]], bool] = lambda config: True
+
+
+OFFLOADING_KNOWN = (
+    KnownCause("PR #55461: ARC's eviction gives up when T2 has no victim left although T1 has evictable "
+               "chunks (the fix falls back to T1): a store fails that could have evicted",
+               frozenset({"O6"}), frozenset({"arc"}), "0.31.0"),
+    KnownCause("store_threshold >= 2: prepare_store protects only the offered keys that passed the threshold, so "
+               "an offered key already cached whose count aged out of the tracker can be evicted by the same "
+               "store (O9: it is then evicted ahead of the order); fixed where prepare_store (reworked by "
+               "PR #51787) partitions the whole offer first", frozenset({"O5", "O9"}), frozenset({"lru", "arc"}),
+               "0.31.0", lambda config: config.get("store_threshold", 1) >= 2),
+)
+
+
+def _release_key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("."))
+
+
+def known_cause(version: str, invariant: str | None, policy: str, config: dict[str, Any]) -> str:
+    """The public change that explains a finding in ``version``, or '' when none is known."""
+    for cause in OFFLOADING_KNOWN:
+        if (invariant in cause.invariants and policy in cause.policies and cause.applies(config)
+                and _release_key(version) < _release_key(cause.fixed_in)):
+            return cause.text
+    return ""
+
+
+def _search(python: Path, version: str, policy: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Fuzz one release and policy for ``--budget`` seconds in its venv; each finding's invariant
+    then leaves the oracle and the search goes on with the rest (a crash ends it)."""
+    oracle = list(OFFLOADING_CATALOGUE)
+    rows: list[dict[str, Any]] = []
+    spent = 0.0
+    while oracle and spent < args.budget:
+        cmd = [str(python), "-m", "kvspec.cli", "fuzz", "--target", f"vllm-offloading@{version}", "--policy", policy,
+               "--budget", f"{args.budget - spent:.1f}", "--seed", str(args.seed), "--oracle", ",".join(oracle),
+               "--out", str(Path(args.out) / version), "--json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True,
+                              timeout=args.budget * 2 + 300)
+        if proc.returncode not in (EXIT_CLEAN, EXIT_FINDING):
+            tail = proc.stderr.strip().splitlines()[-1:] or ["(no message)"]
+            raise ConfigError(f"vLLM {version} ({policy}): kvspec fuzz exited {proc.returncode}: {tail[0][:300]}")
+        doc = json.loads(proc.stdout.strip().splitlines()[-1])
+        found = doc["finding"]
+        if found is None:
+            break
+        rows.append({"version": version, "policy": policy, "kind": found["kind"], "invariant": found["invariant"],
+                     "message": found["message"], "seconds": round(spent + doc["seconds"], 1), "ops": found["ops"],
+                     "trace": found["trace"], "config": found["config"],
+                     "known": known_cause(version, found["invariant"], policy, found["config"] or {})})
+        spent += doc["seconds"]
+        if found["invariant"] is None:
+            break
+        oracle.remove(found["invariant"])
+    return rows
+
+
+def history(args: argparse.Namespace) -> int:
+    """``kvspec history --manager offloading``: per release and policy, ``vllm-offloading@VERSION``
+    fuzzed in that release's venv with the O-invariants as the only oracle."""
+    from kvspec.adapters import vllm_compat as compat
+
+    if args.raw or args.worker is not None:
+        raise ConfigError("--raw is not available with --manager offloading")
+    versions = [v.strip() for v in (args.versions or ",".join(OFFLOADING_RELEASES)).split(",") if v.strip()]
+    for v in versions:
+        compat.parse_release(v)
+        if _release_key(v) < _release_key(OFFLOADING_RELEASES[0]):
+            raise ConfigError(f"vLLM {v}: its CPUOffloadingManager predates request contexts; "
+                              f"--manager offloading covers {OFFLOADING_RELEASES[0]} on")
+    missing = [v for v in versions if not (compat.venv_for(v) / "bin" / "python").exists()]
+    if missing:
+        raise ConfigError("no venv for vLLM " + ", ".join(missing) + "; build each with "
+                          "scripts/setup-vllm-release.sh VERSION")
+    rows: list[dict[str, Any]] = []
+    for v in versions:
+        for policy in POLICIES:
+            print(f"history: vLLM {v} ({policy}): fuzzing the offloading manager for {args.budget:.0f}s",
+                  file=sys.stderr)
+            rows += _search(compat.venv_for(v) / "bin" / "python", v, policy, args)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print(f"{'release':8} {'policy':6} {'finding':10} {'at s':>6} {'ops':>4}  known cause")
+        for v in versions:
+            for policy in POLICIES:
+                found = [r for r in rows if r["version"] == v and r["policy"] == policy]
+                for r in found:
+                    print(f"{v:8} {policy:6} {r['invariant'] or 'crash':10} {r['seconds']:6.1f} {r['ops']:4}  "
+                          f"{r['known'] or '(none known)'}")
+                if not found:
+                    print(f"{v:8} {policy:6} {'-':10} {'':6} {'':4}  nothing found in {args.budget:.0f}s")
+    return EXIT_FINDING if rows else EXIT_CLEAN

@@ -114,8 +114,9 @@ def issue_for(version: str, kind: str, what: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
-    p.add_argument("--versions", default=",".join(compat.RELEASES),
-                   help=f"comma-separated releases (default {','.join(compat.RELEASES)})")
+    p.add_argument("--versions", default=None,
+                   help=f"comma-separated releases (default {','.join(compat.RELEASES)}; with --manager offloading "
+                        "0.23.0,0.29.0,0.31.0,0.33.0)")
     p.add_argument("--budget", type=budget_seconds, default=300.0, help="seconds of search per release (default 300)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON row per finding")
@@ -125,9 +126,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fuzz raw:vllm@VERSION: calls the model would refuse reach vLLM (default: vllm@VERSION)")
     add_workers_argument(p, "releases fuzzed at once, each in its own venv's process")
     p.add_argument("--worker", metavar="VERSION", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--manager", choices=("simple", "offloading"), default="simple",
+                   help="simple: SimpleCPUOffload (default); offloading: the OffloadingConnector's "
+                        "CPUOffloadingManager, LRU and ARC, releases 0.23.0 on (kvspec/commands/_offloading.py)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.manager == "offloading":
+        from kvspec.commands import _offloading
+
+        return _offloading.history(args)
+    args.versions = args.versions or ",".join(compat.RELEASES)
     if args.worker is not None:
         return _worker(args)
     versions = [v.strip() for v in args.versions.split(",") if v.strip()]
