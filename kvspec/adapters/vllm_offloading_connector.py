@@ -165,6 +165,7 @@ class VllmConnectorScheduler(VllmScheduler):
         self.reported: list[int] = []  # job ids reported, in order
         self.steps = 0
         self.record = _StepRecord()
+        self.step_snapshot: dict[str, Any] | None = None  # the snapshot right after the last schedule()
         self.reset_pending: set[int] = set()  # in flight at the last reset, not yet seen flushed
         self.positions: dict[str, dict[int, dict[int, int]]] = {}  # rid -> group -> block -> position
         self.connector_output = self._take_output
@@ -263,6 +264,10 @@ class VllmConnectorScheduler(VllmScheduler):
                 self.jobs[jid].done = True  # completed before this step's forward pass
         self.reset_pending -= set(record.flush)
         self.record = record
+        # The issue-time facts (handed-out blocks, issued and flushed jobs) hold for the state right
+        # after ``schedule()``; later snapshots (after outputs, aborts, resets) leave them out.
+        self.step_snapshot = self.snapshot()
+        self.record = _StepRecord(step=step)
 
     @staticmethod
     def metadata_json(meta: Any) -> dict[str, Any]:
