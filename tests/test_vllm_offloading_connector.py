@@ -39,7 +39,7 @@ def _store_then_load() -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """r0 stores its prompt, finishes; r1 fills the GPU pool so r0's blocks are evicted; r2
     (r0's prefix) then loads from the CPU. The step snapshots of the store and of the load."""
     s = _scheduler(num_gpu_blocks=8, num_chunks=10)
-    s.add_request("r0", PREFIX + [30], 1)
+    s.add_request("r0", [*PREFIX, 30], 1)
     store_snap = _step(s)
     assert [j["kind"] for j in store_snap["connector"]["jobs"].values()] == ["store"]
     s.finish_jobs(list(s.jobs))
@@ -49,7 +49,7 @@ def _store_then_load() -> tuple[Any, dict[str, Any], dict[str, Any]]:
     while s.scheduler.has_requests():
         s.finish_jobs(list(s.jobs))
         _step(s)
-    s.add_request("r2", PREFIX + [31], 1)
+    s.add_request("r2", [*PREFIX, 31], 1)
     load_snap = _step(s)
     return s, store_snap, load_snap
 
@@ -100,7 +100,7 @@ def test_o11_fires_on_a_store_source_handed_out_unflushed() -> None:
 def test_o12_fires_on_a_load_into_a_foreign_or_freed_block() -> None:
     _, _, load_snap = _store_then_load()
     snap = copy.deepcopy(load_snap)
-    jid, job = next((j, x) for j, x in snap["connector"]["jobs"].items() if x["kind"] == "load")
+    _jid, job = next((j, x) for j, x in snap["connector"]["jobs"].items() if x["kind"] == "load")
     block = job["gpu"][0]
     snap["connector"]["requests"]["r9"] = {"finished": False, "table": [[block]], "positions": {}, "hashes": []}
     assert "O12" in _ids(snap)
@@ -139,7 +139,7 @@ def test_o15_fires_on_a_misplaced_load_and_an_unflushed_reset() -> None:
 
 def test_reset_flushes_jobs_in_flight() -> None:
     s = _scheduler(async_scheduling=True)
-    s.add_request("r0", PREFIX + [30], 2)
+    s.add_request("r0", [*PREFIX, 30], 2)
     _step(s)
     assert s.jobs and s.reset() is False  # r0 still holds GPU blocks; the connector resets anyway
     snap = _step(s)

@@ -278,7 +278,7 @@ class VllmScheduler:
         self.scheduler = cls(vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
                              structured_output_manager=v.StructuredOutputManager(self.vllm_config),
                              block_size=config.block_size, hash_block_size=config.block_size, log_stats=False)
-        self.manager = getattr(self.scheduler.connector, "scheduler_manager", None)  # SimpleCPUOffload's
+        self.manager: Any = getattr(self.scheduler.connector, "scheduler_manager", None)  # SimpleCPUOffload's
         self.connector_output: Callable[[], Any] | None = None
         self.batch_queue_size = self.vllm_config.max_concurrent_batches
         self.requests: dict[str, Any] = {}  # every request ever added, in creation order

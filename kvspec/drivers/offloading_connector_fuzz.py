@@ -55,10 +55,6 @@ def draw_config(rng: random.Random) -> ConnectorConfig:
                            offload_prompt_only=rng.random() < 0.7, max_num_batched_tokens=64)
 
 
-def _next_token(rid: str, n: int) -> int:
-    return 100 + (hash(rid) + 7 * n) % 5
-
-
 def run_trace(config: ConnectorConfig, async_scheduling: bool, seed: int, num_ops: int = 60) -> TraceResult:
     """One trace of ``num_ops`` drawn operations plus the drain, checked after every operation."""
     rng = random.Random(seed)
@@ -136,10 +132,10 @@ def run_trace(config: ConnectorConfig, async_scheduling: bool, seed: int, num_op
             if judge(step()):
                 return result
         else:
-            result.finding = {"kind": "stuck", "op_index": len(result.ops), "op": "drain",
-                              "ids": ["drain"], "violations": [f"vLLM still has work after {DRAIN_STEPS} drain steps: "
-                                                               f"{len(s.jobs)} jobs, requests "
-                                                               f"{[(r, s.requests[r].status.name) for r in unfinished()]}"]}
+            stuck = [f"{r}:{s.requests[r].status.name}" for r in unfinished()]
+            result.finding = {"kind": "stuck", "op_index": len(result.ops), "op": "drain", "ids": ["drain"],
+                              "violations": [f"vLLM still has work after {DRAIN_STEPS} drain steps: "
+                                             f"{len(s.jobs)} jobs, requests {stuck}"]}
     except Exception as exc:  # vLLM raised: a crash finding
         result.finding = {"kind": "crash", "op_index": len(result.ops), "op": current[0],
                           "ids": [type(exc).__name__],

@@ -1039,7 +1039,8 @@ def _fidelity(id_: str, c: dict[str, Any], kind: str, current_table: bool) -> It
             else:
                 pos = req["positions"].get(str(g), {}).get(str(b))
             if pos is None:
-                yield Violation(id_, f"{kind} job {jid} of {rid}: block {b} is not in its group-{g} table", (b,), (rid,))
+                yield Violation(id_, f"{kind} job {jid} of {rid}: block {b} is not in its group-{g} table",
+                                (b,), (rid,))
                 return
             if pos >= len(req["hashes"]):
                 yield Violation(id_, f"{kind} job {jid} of {rid}: block {b} at position {pos} is not full",
