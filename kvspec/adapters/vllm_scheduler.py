@@ -127,8 +127,9 @@ def _block_lists(ids: Any) -> list[list[int]] | None:
     return None if ids is None else [list(g) for g in ids]
 
 
-def observe_step(out: Any, meta: Any) -> StepObservation:
-    """A scheduler output (vLLM's or kvspec's: the fields both have) plus its metadata."""
+def observe_step(out: Any, meta: Any, to_json: Callable[[Any], dict[str, Any]] = metadata_json) -> StepObservation:
+    """A scheduler output (vLLM's or kvspec's: the fields both have) plus its metadata (as
+    ``to_json`` writes it)."""
     cached = out.scheduled_cached_reqs
     return StepObservation(
         scheduled=list(out.num_scheduled_tokens.items()),
@@ -138,7 +139,7 @@ def observe_step(out: Any, meta: Any) -> StepObservation:
         cached_reqs=[(rid, _block_lists(ids), rid in cached.resumed_req_ids)
                      for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=True)],
         drafts={rid: len(ids) for rid, ids in sorted((out.scheduled_spec_decode_tokens or {}).items())},
-        metadata=metadata_json(meta),
+        metadata=to_json(meta),
     )
 
 
@@ -204,10 +205,12 @@ def local_model_dir(world_size: int) -> Path:
     return _MODEL_DIRS[world_size]
 
 
-def build_vllm_config(v: SimpleNamespace, config: OffloadConfig, options: SchedulerOptions, page_bytes: int) -> Any:
+def build_vllm_config(v: SimpleNamespace, config: OffloadConfig, options: SchedulerOptions, page_bytes: int,
+                      transfer: Any = None) -> Any:
     """A real ``VllmConfig`` for ``config``: the local model, chunked prefill with prefix caching,
     ``config.max_num_batched_tokens``, tensor parallelism ``config.world_size``, the
-    SimpleCPUOffloadConnector with exactly ``config.num_cpu_blocks`` CPU blocks, and n-gram
+    SimpleCPUOffloadConnector with exactly ``config.num_cpu_blocks`` CPU blocks (or the
+    ``KVTransferConfig`` ``transfer`` when given: another connector), and n-gram
     speculative decoding with ``config.num_speculative_tokens`` drafts when that is not 0 (the
     n-gram drafter needs no draft model). O(1)."""
     model = v.ModelConfig(model=str(local_model_dir(config.world_size)), skip_tokenizer_init=True,
@@ -217,7 +220,7 @@ def build_vllm_config(v: SimpleNamespace, config: OffloadConfig, options: Schedu
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
         enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=options.async_scheduling)
     cpu_bytes = page_bytes * config.num_groups * config.num_cpu_blocks * config.world_size
-    transfer = v.KVTransferConfig(
+    transfer = transfer or v.KVTransferConfig(
         kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
         kv_connector_extra_config={"num_cpu_blocks": config.num_cpu_blocks, "cpu_bytes_to_use": cpu_bytes,
                                    "lazy_offload": config.lazy_offload})
@@ -250,16 +253,22 @@ class _Batch:
 class VllmScheduler:
     """vLLM's ``Scheduler``/``AsyncScheduler`` with the real connector, stepped as engine core does.
 
-    ``next_token(rid, num_output_tokens)`` is the token the fake model samples for ``rid``."""
+    ``next_token(rid, num_output_tokens)`` is the token the fake model samples for ``rid``.
+    ``transfer(v, kv_cache_config, page_bytes)``, when given, is the ``KVTransferConfig`` of
+    another connector (``kvspec.adapters.vllm_offloading_connector``); ``connector_output``, when
+    set, is called for each batch output and returns the workers' ``KVConnectorOutput`` that
+    rides on it (None: none)."""
 
-    def __init__(self, config: OffloadConfig, options: SchedulerOptions, next_token: Callable[[str, int], int]) -> None:
+    def __init__(self, config: OffloadConfig, options: SchedulerOptions, next_token: Callable[[str, int], int],
+                 transfer: Callable[[SimpleNamespace, Any, int], Any] | None = None) -> None:
         config.validate()
         if config.policy != "baseline":
             raise ConfigError(f"vLLM {VLLM_VERSION} implements only the 'baseline' policy, not {config.policy!r}")
         self.config, self.options, self.next_token = config, options, next_token
         self.v = v = _import_scheduler_vllm()
         kv_cache_config, page_bytes = VllmTarget.kv_cache_config_for(v, config)
-        self.vllm_config = build_vllm_config(v, config, options, page_bytes)
+        self.vllm_config = build_vllm_config(v, config, options, page_bytes,
+                                             None if transfer is None else transfer(v, kv_cache_config, page_bytes))
         self.async_scheduling = bool(self.vllm_config.scheduler_config.async_scheduling)
         self.auto_finish = self.async_scheduling if options.auto_finish is None else options.auto_finish
         if self.async_scheduling and not self.auto_finish:
@@ -269,7 +278,8 @@ class VllmScheduler:
         self.scheduler = cls(vllm_config=self.vllm_config, kv_cache_config=kv_cache_config,
                              structured_output_manager=v.StructuredOutputManager(self.vllm_config),
                              block_size=config.block_size, hash_block_size=config.block_size, log_stats=False)
-        self.manager = self.scheduler.connector.scheduler_manager
+        self.manager: Any = getattr(self.scheduler.connector, "scheduler_manager", None)  # SimpleCPUOffload's
+        self.connector_output: Callable[[], Any] | None = None
         self.batch_queue_size = self.vllm_config.max_concurrent_batches
         self.requests: dict[str, Any] = {}  # every request ever added, in creation order
         self.max_tokens: dict[str, int] = {}
@@ -300,6 +310,11 @@ class VllmScheduler:
             out.append(hash_to_bytes(parent))
         return out
 
+    @staticmethod
+    def metadata_json(meta: Any) -> dict[str, Any]:
+        """This connector's metadata as plain values (``metadata_json``)."""
+        return metadata_json(meta)
+
     def is_running(self, rid: str) -> bool:
         return bool(self.requests[rid].status == self.v.RequestStatus.RUNNING)
 
@@ -317,7 +332,7 @@ class VllmScheduler:
                 self.scheduler.running.remove(self.requests[rid])
                 self.scheduler._preempt_request(self.requests[rid], time.monotonic())
             out = self._schedule(admit, chunk, resume, budget)
-            self.last_step = observe_step(out, out.kv_connector_metadata)
+            self.last_step = observe_step(out, out.kv_connector_metadata, self.metadata_json)
             self.in_flight.appendleft(_Batch(out, self._sampling(out), self._padded(out)))
             if len(self.in_flight) < self.batch_queue_size and (
                     out.total_num_scheduled_tokens > 0 or self.scheduler.has_requests()):
@@ -387,7 +402,9 @@ class VllmScheduler:
         rids = list(batch.output.num_scheduled_tokens)
         sampled = [self._sampled(batch, rid, accept) if rid in batch.sampling else [] for rid in rids]
         output = self.v.ModelRunnerOutput(req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
-                                          sampled_token_ids=sampled)
+                                          sampled_token_ids=sampled,
+                                          kv_connector_output=None if self.connector_output is None
+                                          else self.connector_output())
         self.scheduler.update_from_output(batch.output, output)
         k = self.config.num_speculative_tokens
         if k and not self.async_scheduling and rids:

@@ -908,3 +908,171 @@ def _o10(s: Snapshot) -> Iterable[Violation]:
         yield Violation("O10", f"a ghost list holds more than {cap} keys")
     if not 0 <= arc["target_t1_size"] <= cap:
         yield Violation("O10", f"target size {arc['target_t1_size']} outside [0, {cap}]")
+
+
+# -- the second manager's connector: vLLM's OffloadingConnectorScheduler ---------------------
+#
+# A snapshot of a real scheduler with the OffloadingConnector (``kvspec.adapters.
+# vllm_offloading_connector``) is the connector's manager (``manager: offloading``), ``observed``
+# (the keys of the transfer jobs in flight since the last cache reset, so O2 and O3 judge the
+# manager as the connector drives it) and ``connector``: the last ``schedule()``'s index
+# (``step``), the GPU blocks the pool handed out in it and the requests holding each after it
+# (``fresh``), the jobs it issued and flushed, the jobs in flight (issued, not yet reported by
+# the workers) with their GPU blocks, CPU chunks and the keys holding those chunks at issue,
+# the GPU ref counts, and each request's block table, block positions and block hashes. The
+# invariants below read only ``connector`` and are skipped without it.
+
+
+def _conn(s: Snapshot) -> dict[str, Any] | None:
+    conn: dict[str, Any] | None = s.get("connector")
+    return conn
+
+
+def _job_groups(job: dict[str, Any]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for g, n in enumerate(job["group_sizes"]):
+        out += [(g, b) for b in job["gpu"][start:start + n]]
+        start += n
+    return out
+
+
+@invariant("O11", "store sources fenced before reuse", needs_engine=True, manager="offloading", counterpart="I6")
+def _o11(s: Snapshot) -> Iterable[Violation]:
+    """A GPU block that a store job in flight reads (issued, not reported, not yet flushed) is
+    handed out by the GPU pool in a step only if that step's metadata flushes the job (the
+    workers copy it before the step's forward pass), or the block goes to the job's own request
+    in the step that issued the job (whose forward pass writes it before the store reads it)
+    (#46951)."""
+    c = _conn(s)
+    if c is None:
+        return
+    step = c["step"]
+    for jid, job in sorted(c["jobs"].items(), key=lambda kv: int(kv[0])):
+        if job["kind"] != "store" or (job["flushed"] is not None and job["flushed"] <= step):
+            continue
+        for b in job["gpu"]:
+            if str(b) not in c["fresh"]:
+                continue
+            holders = c["fresh"][str(b)]
+            if job["issued"] == step and job["req"] in holders:
+                continue
+            yield Violation("O11", f"block {b}, read by store job {jid} of {job['req']} in flight and not flushed, "
+                                   f"was handed out in step {step} (now held by {','.join(holders) or 'nobody'})",
+                            (b,), (job["req"],))
+
+
+@invariant("O12", "load destinations", needs_engine=True, manager="offloading", counterpart="I12")
+def _o12(s: Snapshot) -> Iterable[Violation]:
+    """A load job writes only blocks of its own request's table (in the job's group), each
+    once, none in another unfinished request's table; while it is in flight and not flushed,
+    each of them stays allocated (GPU ref count > 0) and is handed to no other request."""
+    c = _conn(s)
+    if c is None:
+        return
+    reqs = c["requests"]
+    for jid in c["issued"]:
+        job = c["jobs"].get(str(jid))
+        if job is None or job["kind"] != "load":
+            continue
+        rid = job["req"]
+        table = reqs[rid]["table"]
+        for b in sorted(b for b, n in Counter(job["gpu"]).items() if n > 1):
+            yield Violation("O12", f"load job {jid} writes block {b} twice", (b,), (rid,))
+        for g, b in _job_groups(job):
+            if g >= len(table) or b not in table[g]:
+                yield Violation("O12", f"load job {jid} of {rid} writes block {b}, not in its group-{g} table",
+                                (b,), (rid,))
+            others = sorted(o for o, r in reqs.items() if o != rid and not r["finished"]
+                            and any(b in t for t in r["table"]))
+            if others:
+                yield Violation("O12", f"load job {jid} of {rid} writes block {b}, held by {','.join(others)}",
+                                (b,), (rid, *others))
+    for jid, job in sorted(c["jobs"].items(), key=lambda kv: int(kv[0])):
+        if job["kind"] != "load" or job["flushed"] is not None:
+            continue
+        for b in job["gpu"]:
+            if c["gpu_refs"][b] <= 0:
+                yield Violation("O12", f"block {b} freed while load job {jid} of {job['req']} writes it",
+                                (b,), (job["req"],))
+            others = sorted(set(c["fresh"].get(str(b), ())) - {job["req"]})
+            if others:
+                yield Violation("O12", f"block {b} handed to {','.join(others)} while load job {jid} of "
+                                       f"{job['req']} writes it", (b,), (job["req"],))
+
+
+@invariant("O13", "transfer chunks keyed", needs_engine=True, manager="offloading", counterpart="I3")
+def _o13(s: Snapshot) -> Iterable[Violation]:
+    """Every CPU chunk of a job a step issues is held by a key of the manager when the step ends
+    (a load reads a resident key's chunk, a store writes the chunk of the key it allocated), and
+    the job's chunks are distinct."""
+    c = _conn(s)
+    if c is None:
+        return
+    for jid in c["issued"]:
+        job = c["jobs"].get(str(jid))
+        if job is None:
+            continue
+        for chunk, key in zip(job["chunks"], job["keys"], strict=True):
+            if key is None:
+                yield Violation("O13", f"{job['kind']} job {jid} of {job['req']} names chunk {chunk}, held by no key",
+                                (chunk,), (job["req"],))
+        for chunk in sorted(ch for ch, n in Counter(job["chunks"]).items() if n > 1):
+            yield Violation("O13", f"{job['kind']} job {jid} names chunk {chunk} twice", (chunk,), (job["req"],))
+
+
+def _fidelity(id_: str, c: dict[str, Any], kind: str, current_table: bool) -> Iterable[Violation]:
+    """The keys of each issued ``kind`` job are exactly the request's block hashes at the
+    positions of its GPU blocks (one block per chunk)."""
+    if c["blocks_per_chunk"] != 1:
+        return
+    for jid in c["issued"]:
+        job = c["jobs"].get(str(jid))
+        if job is None or job["kind"] != kind or None in job["keys"]:
+            continue
+        rid = job["req"]
+        req = c["requests"][rid]
+        want: list[str] = []
+        for g, b in _job_groups(job):
+            if current_table:
+                table = req["table"][g] if g < len(req["table"]) else []
+                pos = table.index(b) if b in table else None
+            else:
+                pos = req["positions"].get(str(g), {}).get(str(b))
+            if pos is None:
+                yield Violation(id_, f"{kind} job {jid} of {rid}: block {b} is not in its group-{g} table",
+                                (b,), (rid,))
+                return
+            if pos >= len(req["hashes"]):
+                yield Violation(id_, f"{kind} job {jid} of {rid}: block {b} at position {pos} is not full",
+                                (b,), (rid,))
+                return
+            want.append(f"{req['hashes'][pos]}:{g}")
+        if sorted(want) != sorted(job["keys"]):
+            yield Violation(id_, f"{kind} job {jid} of {rid} pairs its blocks with keys {sorted(job['keys'])}, "
+                                 f"the blocks' positions hold {sorted(want)}", tuple(job["gpu"]), (rid,))
+
+
+@invariant("O14", "store fidelity", needs_engine=True, manager="offloading", counterpart="I10")
+def _o14(s: Snapshot) -> Iterable[Violation]:
+    """A store job stores under each key the GPU block at that key's position in its request
+    (the key is the request's block hash there and the block's group): the keys of its chunks
+    are exactly the hashes at the positions its source blocks last held in the request's table
+    (one GPU block per chunk)."""
+    c = _conn(s)
+    if c is not None:
+        yield from _fidelity("O14", c, "store", current_table=False)
+
+
+@invariant("O15", "load fidelity and reset flush", needs_engine=True, manager="offloading", counterpart="I12")
+def _o15(s: Snapshot) -> Iterable[Violation]:
+    """A load job writes each key into the block at that key's position in its request's table
+    (one GPU block per chunk). After a reset of the connector's cache, the first metadata flushes
+    every job that was in flight at the reset (the workers may still write chunks the reset
+    freed)."""
+    c = _conn(s)
+    if c is None:
+        return
+    yield from _fidelity("O15", c, "load", current_table=True)
+    missing = sorted(set(c["reset_unflushed"]) - set(c["flush"]))
+    if missing:
+        yield Violation("O15", f"jobs {missing} in flight at the cache reset are not flushed by step {c['step']}")
