@@ -73,6 +73,12 @@ run_tests "vLLM scheduler lockstep" 1200 .vllm-venv/bin/python tests/test_vllm_s
 run_tests "vLLM offloading-manager lockstep" 600 .vllm-venv/bin/python tests/test_vllm_offloading.py \
   KVSPEC_REQUIRE_VLLM=1 KVSPEC_VLLM_OFFLOADING_TRACES=1000
 
+# The OffloadingConnector around it: vLLM 0.33.0's real Scheduler and AsyncScheduler with the real
+# connector (scheduler role), workers played from outside, the connector invariants O11-O15 each
+# broken on purpose, a short campaign, and the double-reset crash (tests/test_vllm_offloading_connector.py).
+run_tests "vLLM OffloadingConnector" 300 .vllm-venv/bin/python tests/test_vllm_offloading_connector.py \
+  KVSPEC_REQUIRE_VLLM=1
+
 # vLLM 0.33.0 with kvspec's patches (patches/vllm-0.33.0/): each built as its own venv by
 # scripts/setup-vllm-patched.sh (hard links to .vllm-venv, a few seconds), then
 # tests/test_vllm_patched.py in that venv: the policy's model in lockstep with the patched

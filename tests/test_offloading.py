@@ -24,7 +24,7 @@ from kvspec.drivers import offloading_fuzz as ofz
 from kvspec.drivers.offloading import Driver, Generator, random_offloading_config
 from kvspec.model.offloading import OffloadingManager, make_offloading_manager
 from kvspec.model.offloading.bugs import OFFLOADING_BUGS
-from kvspec.oracle.catalogue import OFFLOADING_CATALOGUE, check
+from kvspec.oracle.catalogue import CONNECTOR_INVARIANTS, OFFLOADING_CATALOGUE, check
 
 TRACES = Path(__file__).parent / "traces" / "offloading"
 Snap = dict[str, Any]
@@ -262,8 +262,9 @@ BREAKS: dict[str, tuple[Callable[[Snap], bool], Callable[[Snap], None]]] = {
 }
 
 
-def test_every_offloading_invariant_has_a_break() -> None:
-    assert sorted(BREAKS) == sorted(OFFLOADING_CATALOGUE)
+def test_every_manager_level_offloading_invariant_has_a_break() -> None:
+    """The connector-level ones (O11-O15) are broken on vLLM's own snapshots, in the vLLM stage."""
+    assert sorted(BREAKS) == sorted(i for i in OFFLOADING_CATALOGUE if i not in CONNECTOR_INVARIANTS)
 
 
 @pytest.mark.parametrize("inv", list(BREAKS))

@@ -164,3 +164,21 @@ def test_connector_invariants_are_registered() -> None:
     for id_ in ("O11", "O12", "O13", "O14", "O15"):
         inv = OFFLOADING_CATALOGUE[id_]
         assert inv.needs_engine and inv.manager == "offloading"
+
+
+def test_vllm_crashes_on_two_connector_resets_without_a_step_between() -> None:
+    """The crash the campaigns find in vLLM 0.33.0: the first reset leaves every job in flight
+    queued for flushing (``_current_batch_jobs_to_flush``, emptied only by the next
+    ``build_connector_meta``); a second reset before the next ``schedule()`` trips the connector's
+    ``assert not self._current_batch_jobs_to_flush``. Two reset requests queued at the engine core
+    are handled back to back, with no step between."""
+    s = _scheduler(async_scheduling=False)
+    s.add_request("r0", [*PREFIX, 30], 2)
+    _step(s)
+    assert s.jobs
+    s.reset()
+    with pytest.raises(AssertionError) as raised:
+        s.reset()
+    where = raised.traceback[-1]
+    assert where.path.name == "scheduler.py" and "offloading" in str(where.path)
+    assert "_current_batch_jobs_to_flush" in str(where.statement)

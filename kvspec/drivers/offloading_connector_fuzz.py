@@ -55,6 +55,7 @@ def draw_config(rng: random.Random) -> ConnectorConfig:
                            offload_prompt_only=rng.random() < 0.7, max_num_batched_tokens=64)
 
 
+# long function: one trace's loop with its three local steps (judge, unfinished, step) sharing its state
 def run_trace(config: ConnectorConfig, async_scheduling: bool, seed: int, num_ops: int = 60) -> TraceResult:
     """One trace of ``num_ops`` drawn operations plus the drain, checked after every operation."""
     rng = random.Random(seed)

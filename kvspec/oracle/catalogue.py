@@ -1076,3 +1076,8 @@ def _o15(s: Snapshot) -> Iterable[Violation]:
     missing = sorted(set(c["reset_unflushed"]) - set(c["flush"]))
     if missing:
         yield Violation("O15", f"jobs {missing} in flight at the cache reset are not flushed by step {c['step']}")
+
+
+# The connector-level invariants: judged only on snapshots of vLLM's real scheduler and connector
+# (a ``connector`` section), tested by breaking such snapshots in tests/test_vllm_offloading_connector.py.
+CONNECTOR_INVARIANTS = ("O11", "O12", "O13", "O14", "O15")
