@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any
 
 from kvspec.commands.fuzz import add_ray_argument, add_workers_argument, budget_seconds
-from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
+from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError, exit_codes
 from kvspec.drivers.campaign import check_ray, check_workers, map_jobs
 from kvspec.drivers.harness import VIOLATION, check_writable, finding_name, fuzz, save_trace
 from kvspec.drivers.trace import Trace
@@ -28,7 +28,7 @@ from kvspec.report.html import page_for_trace
 
 NAME = "bugs"
 HELP = "fuzz each known-bug variant (invariants only, no reference model) and report what is found"
-EPILOG = "exit codes: 0 all found, 1 some not found, 2 bad input or usage, 3 internal error, 130 interrupted"
+EPILOG = exit_codes("every bug found", "some bug not found")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

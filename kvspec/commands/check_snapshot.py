@@ -29,6 +29,7 @@ from kvspec.contract.errors import (
     ConfigError,
     KVSpecError,
     SnapshotFormatError,
+    exit_codes,
 )
 from kvspec.contract.snapshot_io import load_snapshot
 from kvspec.oracle import oracles
@@ -42,9 +43,9 @@ SHOWN_IDS = 10  # requests, and blocks x2, printed per violation in text mode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = ("exit codes: 0 no invariant of the oracle violated, 1 violations, 2 bad input or usage "
-                     "(unreadable or malformed file, unknown oracle, engine-only ids on a snapshot without "
-                     "an engine section), 3 internal error, 130 interrupted")
+    parser.epilog = exit_codes("no invariant of the oracle violated", "violations",
+                               "bad input or usage (unreadable, too large or malformed file, unknown oracle, "
+                               "engine-only ids on a snapshot without an engine section)")
     parser.add_argument("file", metavar="FILE", help="snapshot JSON file (what OffloadTarget.snapshot() returns)")
     parser.add_argument("--json", action="store_true",
                         help='print {"ok": bool, "oracle": {"name", "ids"}, "violations": [...], '

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvspec.adapters.targets import RAW_PREFIX, get_factory, raw_target
 from kvspec.contract.config import POLICIES
-from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
+from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError, exit_codes
 from kvspec.drivers.campaign import (
     AUTO_WORKERS,
     Distinct,
@@ -46,7 +46,7 @@ from kvspec.report.html import page_for_trace
 
 NAME = "fuzz"
 HELP = "fuzz a target with random engine traces; write each finding as a shrunk trace"
-EPILOG = "exit codes: 0 nothing found, 1 finding, 2 bad input or usage, 3 internal error, 130 interrupted"
+EPILOG = exit_codes("nothing found", "finding")
 
 
 def budget_seconds(text: str) -> float:

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvspec.adapters.targets import get_factory
 from kvspec.commands.fuzz import add_ray_argument, add_workers_argument, budget_seconds
-from kvspec.contract.errors import ConfigError
+from kvspec.contract.errors import ConfigError, exit_codes
 from kvspec.drivers.campaign import check_ray, check_workers, map_jobs
 from kvspec.drivers.harness import default_oracle, generate, run_ops
 from kvspec.drivers.opgen import RandomChoices, random_config
@@ -30,8 +30,7 @@ from kvspec.model import make_scheduler
 
 NAME = "verify"
 HELP = "the main job: proofs, a conformance campaign, the known-bug catalogue (and vLLM when installed)"
-EPILOG = ("exit codes: 0 every stage passed or was skipped with a reason, 1 a stage failed, 2 bad usage, "
-          "3 internal error")
+EPILOG = exit_codes("every stage passed or was skipped with a reason", "a stage failed")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
