@@ -52,6 +52,20 @@ POLICIES = ("baseline", "signal-rescan", "repair")
 
 _ids = itertools.count()
 
+# What Z3 answers for a check that Ctrl-C stopped: while it checks, Z3 holds SIGINT with its own
+# handler, which cancels the check (``unknown``) and never lets Python see the signal.
+Z3_INTERRUPTED = "interrupted from keyboard"
+
+
+def check_sat(s: z3.Solver, *assumptions: z3.ExprRef) -> z3.CheckSatResult:
+    """``s.check(*assumptions)``, but a check stopped by Ctrl-C raises ``KeyboardInterrupt``
+    instead of answering ``unknown``: read as an answer, an interrupted check would make an
+    obligation fail (or be retried) and the run go on as if nothing had happened."""
+    r = s.check(*assumptions)
+    if r == z3.unknown and s.reason_unknown() == Z3_INTERRUPTED:
+        raise KeyboardInterrupt
+    return r
+
 
 class PosPred(Protocol):
     """A predicate over one position (a z3 Int, or a Python int when unrolled). Callers bind

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Protocol
 
 import z3
 
-from kvspec.specs.encoding import Encoding, Quant, State, Unrolled, reset_names
+from kvspec.specs.encoding import Encoding, Quant, State, Unrolled, check_sat, reset_names
 from kvspec.specs.realizable import POSITIONS, realizable
 from kvspec.specs.transitions import (
     CURSOR_RESETS,
@@ -77,7 +77,7 @@ def _check(constraints: list[z3.BoolRef]) -> tuple[z3.CheckSatResult, z3.Solver]
     for seed in (SEED, SEED + 1, SEED + 2):
         s = solver(seed)
         s.add(*constraints)
-        r = s.check()
+        r = check_sat(s)
         if r != z3.unknown:
             break
     return r, s
@@ -281,7 +281,7 @@ def scans_agree(policy: str, G: int, M: int = BOUND) -> tuple[str, str, dict[str
     for shape in shapes:
         sv.push()
         sv.add(*[z3.And(sq.groups[g].n == n, sq.groups[g].cur == c) for g, (n, c) in enumerate(shape)])
-        r_ = sv.check()
+        r_ = check_sat(sv)
         sv.pop()
         if r_ != z3.unsat:
             return ("fails" if r_ == z3.sat else "unknown"), f"N, cursor per group = {shape}", {}
@@ -446,7 +446,7 @@ def _check_qe(constraints: list[z3.BoolRef]) -> z3.CheckSatResult:
     sv.set("random_seed", SEED)
     sv.set("rlimit", RLIMIT)
     sv.add(*constraints)
-    return sv.check()
+    return check_sat(sv)
 
 
 def successor_exists(enc: Unrolled, policy: str) -> tuple[str, str, dict[str, Any]]:
@@ -966,16 +966,30 @@ def _baseline_stores_unowned(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
     return ("ok" if r == "sat" else "vacuous"), r, {}
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped ``run_all``: ``results`` are those of the obligations done before it (the
+    one being checked is not among them)."""
+
+    def __init__(self, results: list[Result]) -> None:
+        super().__init__()
+        self.results = results
+
+
 def run_all(obs: list[Obligation] | None = None,
             progress: Callable[[Obligation, Result | None], None] | None = None) -> list[Result]:
-    out = []
-    for ob in obs if obs is not None else catalogue():
-        if progress:
-            progress(ob, None)
-        res = ob.run()
-        if progress:
-            progress(ob, res)
-        out.append(res)
+    """Every obligation in turn; Ctrl-C (inside a Z3 check too: ``encoding.check_sat``) raises
+    ``Interrupted`` with the results so far."""
+    out: list[Result] = []
+    try:
+        for ob in obs if obs is not None else catalogue():
+            if progress:
+                progress(ob, None)
+            res = ob.run()
+            if progress:
+                progress(ob, res)
+            out.append(res)
+    except KeyboardInterrupt:
+        raise Interrupted(out) from None
     return out
 
 

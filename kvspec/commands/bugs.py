@@ -20,7 +20,7 @@ from typing import Any
 
 from kvspec.commands.fuzz import add_ray_argument, add_workers_argument, budget_seconds
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError, exit_codes
-from kvspec.drivers.campaign import check_ray, check_workers, map_jobs
+from kvspec.drivers.campaign import JobsInterrupted, check_ray, check_workers, map_jobs
 from kvspec.drivers.harness import VIOLATION, check_writable, finding_name, fuzz, save_trace
 from kvspec.drivers.trace import Trace
 from kvspec.model.bugs import BUGS, make_bug_target
@@ -83,22 +83,27 @@ def hunt(budget: float, seed: int, names: list[str] | None = None, out: str | No
     (``kvspec.drivers.campaign.map_jobs``). Traces are written here, by the driver."""
     names = names or list(BUGS)
     job = partial(hunt_one, budget, seed, quiet)
+    cut = False  # Ctrl-C stopped a hunt outside its search (which keeps its row), or the workers
+    hunts: list[Hunt] = []
     if workers == 1 and ray is None:
-        hunts = []
         for name in names:
-            hunts.append(map_jobs(job, [name], 1)[0])
-            if hunts[-1].interrupted:
+            try:
+                hunts.append(map_jobs(job, [name], 1)[0])
+            except JobsInterrupted:
+                cut = True
+            if cut or hunts[-1].interrupted:
                 break
     else:
-        hunts = map_jobs(job, names, workers, ray)
+        try:
+            hunts = map_jobs(job, names, workers, ray)
+        except JobsInterrupted as stop:  # Ctrl-C reached this process: the workers stopped with it
+            hunts, cut = stop.done(), True
     rows: list[dict[str, Any]] = []
     for h in hunts:
         if out is not None and h.trace is not None:
             _save(h.row["bug"], h.trace, out)
         rows.append(h.row)
-        if h.interrupted:
-            return rows, True
-    return rows, False
+    return rows, cut or any(h.interrupted for h in hunts)
 
 
 def run(args: argparse.Namespace) -> int:

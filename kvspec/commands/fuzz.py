@@ -32,6 +32,7 @@ from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, C
 from kvspec.drivers.campaign import (
     AUTO_WORKERS,
     Distinct,
+    JobsInterrupted,
     check_ray,
     check_workers,
     dedupe_key,
@@ -216,12 +217,18 @@ def run(args: argparse.Namespace) -> int:
         where = f" as Ray tasks on {ray}" if ray else ""
         print(f"{workers} workers{where}, seeds {', '.join(map(str, worker_seeds(args.seed, workers)))}",
               file=sys.stderr)
-    results = run_workers(functools.partial(fuzz_one, job), args.seed, workers, ray)
+    stopped = False
+    try:
+        results = run_workers(functools.partial(fuzz_one, job), args.seed, workers, ray)
+    except JobsInterrupted as stop:  # Ctrl-C reached this process: the workers stopped with it
+        results, stopped = stop.done(), True
+        if not results:  # no worker had started its search
+            raise KeyboardInterrupt from None
     if ray is not None:
         _save_here(job, results)
     state.save(results)
-    report(args, results, policy, time.monotonic() - start, state, pins)
-    if any(w.result.interrupted for w in results):
+    report(args, results, policy, time.monotonic() - start, state, pins, interrupted=stopped)
+    if stopped or any(w.result.interrupted for w in results):
         return EXIT_INTERRUPTED
     return EXIT_FINDING if any(w.result.found for w in results) else EXIT_CLEAN
 
@@ -279,7 +286,7 @@ class CampaignState:
 
 
 def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, wall: float,
-           state: CampaignState, pins: ConfigPins = NO_PINS) -> None:
+           state: CampaignState, pins: ConfigPins = NO_PINS, interrupted: bool = False) -> None:
     """The campaign's statistics and its distinct findings, as text or one JSON object."""
     distinct = Distinct()
     for w in results:
@@ -298,7 +305,7 @@ def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, w
     for w in results:
         for why, n in w.result.replays.items():
             replays[why] = replays.get(why, 0) + n
-    interrupted = any(w.result.interrupted for w in results)
+    interrupted = interrupted or any(w.result.interrupted for w in results)
     found = any(w.result.found for w in results)
     out: dict[str, Any] = {
         "target": args.target, "policy": policy, "oracle": res.oracle, "configs": pins.words(), "found": found,
