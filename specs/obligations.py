@@ -26,6 +26,7 @@ rlimit reports ``unknown`` (a failure), never a silent pass.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import time
 from collections.abc import Callable, Iterable
@@ -989,6 +990,10 @@ def run_all(obs: list[Obligation] | None = None,
                 progress(ob, res)
             out.append(res)
     except KeyboardInterrupt:
+        raise Interrupted(out) from None
+    except ctypes.ArgumentError as exc:  # Ctrl-C while ctypes converted the arguments of a Z3 call
+        if "KeyboardInterrupt" not in str(exc):
+            raise
         raise Interrupted(out) from None
     return out
 

@@ -508,7 +508,7 @@ def _size(pre: AbstractRequest, post: AbstractRequest) -> int:
 
 
 def _solve(c: _Chain, obs: Iterable[Observation]) -> z3.CheckSatResult:
-    return check_sat(c.solver, *(o.literal for o in obs))
+    return check_sat(c.solver, *(o.literal for o in obs), threaded=False)  # once per fuzzed operation
 
 
 def _diagnose(c: _Chain, obs: list[Observation], groups: int) -> tuple[int | None, tuple[str, ...]]:
