@@ -107,7 +107,9 @@ def hunt(budget: float, seed: int, names: list[str] | None = None, out: str | No
 
 
 def run(args: argparse.Namespace) -> int:
-    names = args.only.split(",") if args.only else None
+    names = args.only.split(",") if args.only is not None else None
+    if names is not None and not any(names):
+        raise ConfigError("--only needs at least one bug name (comma-separated); leave it out for every bug")
     for n in names or []:
         if n not in BUGS:
             raise ConfigError(f"unknown bug {n[:60]!r}; known: {', '.join(BUGS)}")

@@ -83,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
             narration, out = None, run_ops(tr.config, tr.ops(), factory, orc.ids, reference, refine=refine)
         if out.input_error:
             raise TraceError(tr.line, f"operation {out.op_index}: {out.expectation}")
+        if recorded is not None and recorded["op_index"] is not None and recorded["op_index"] >= tr.ops_read:
+            tr.finish()  # the run stopped before the recorded index: is it in the trace at all?
     same = _matches(recorded, out)
     if args.html is not None and narration is not None:
         try:
