@@ -116,3 +116,29 @@ def test_every_help_lists_every_exit_code(command: str) -> None:
     for code in ("0 ", "1 ", "2 ", "3 internal error", "130 interrupted"):
         assert f"{code}" in text.partition("exit codes:")[2], (command, code)
     assert "I/O error of the environment" in text
+
+
+# -- Ray: a cluster that is not there is bad input (exit 2), found out in bounded time ------------
+
+
+
+def test_an_unreachable_ray_address_is_exit_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Port 1 of the loopback: nothing listens, the connection is refused at once (it used to hang
+    in ``ray.init``)."""
+    pytest.importorskip("ray")
+    code = main(["fuzz", "--budget", "2", "--workers", "2", "--ray", "127.0.0.1:1", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "--ray 127.0.0.1:1: no Ray cluster reachable there" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", [["fuzz", "--budget", "2", "--workers", "2"], ["bugs", "--budget", "1"]])
+def test_ray_auto_without_a_cluster_is_exit_2_saying_how_to_start_one(
+        command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # where Ray looks for this machine's cluster: none
+    out = ["--out", str(tmp_path / "out")]
+    code = main([*command, "--ray", "auto", *out])
+    err = capsys.readouterr().err
+    assert code == 2 and "no running Ray cluster found" in err and "ray start --head" in err

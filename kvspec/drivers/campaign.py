@@ -65,7 +65,8 @@ def check_workers(workers: object, ray: object = None) -> int:
 
 
 def check_ray(address: object) -> str | None:
-    """``--ray``: None (no Ray), ``auto`` or ``HOST:PORT``; Ray must be importable."""
+    """``--ray``: None (no Ray), ``auto`` or ``HOST:PORT``; Ray must be importable, and a
+    ``HOST:PORT`` must accept a connection (``_reach_ray``), before any work starts."""
     if address is None:
         return None
     if not isinstance(address, str) or not (address == "auto" or _host_port(address)):
@@ -74,6 +75,8 @@ def check_ray(address: object) -> str | None:
         import ray  # noqa: F401
     except ImportError:
         raise ConfigError("--ray needs Ray: pip install 'kvspec[ray]'") from None
+    if address != "auto":
+        _reach_ray(address)
     return address
 
 
@@ -215,12 +218,37 @@ def _signal_workers(signum: int) -> None:
                 pass
 
 
+RAY_CONNECT_TIMEOUT_S = 10.0  # how long a --ray HOST:PORT may take to accept a connection
+
+
+def _reach_ray(address: str) -> None:
+    """Refuse (``ConfigError``, naming the address) a ``HOST:PORT`` where nothing accepts a
+    connection within ``RAY_CONNECT_TIMEOUT_S``: ``ray.init`` would wait for it far longer."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        why = f"no answer within {RAY_CONNECT_TIMEOUT_S:.0f} s" if isinstance(exc, TimeoutError) \
+            else exc.strerror or type(exc).__name__
+        raise ConfigError(f"--ray {address}: no Ray cluster reachable there ({why}); start one on that machine "
+                          f"with `ray start --head --port {port}`, or check the address") from None
+
+
 def _on_ray(job: Callable[[Any], R], items: Sequence[Any], address: str) -> list[R]:
     import logging
 
     import ray
 
-    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    except ConnectionError as exc:  # Ray's "could not find any running Ray instance", among others
+        if address == "auto":
+            raise ConfigError("--ray auto: no running Ray cluster found on this machine (start one with "
+                              "`ray start --head`, set RAY_ADDRESS to a cluster's address, or pass --ray "
+                              "HOST:PORT; without --ray the workers run here)") from None
+        raise ConfigError(f"--ray {address}: cannot join the Ray cluster there ({str(exc)[:200]})") from None
     try:
         task: Any = ray.remote(num_cpus=1)(_in_worker)
         return list(ray.get([task.remote(job, x) for x in items]))
