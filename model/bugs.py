@@ -22,6 +22,7 @@ from itertools import islice
 
 from kvspec.contract.checks import check_scheduler_output
 from kvspec.contract.config import OffloadConfig
+from kvspec.contract.errors import ConfigError
 from kvspec.contract.types import (
     BlockIds,
     CachedRequestData,
@@ -264,10 +265,14 @@ BUGS: dict[str, Bug] = {b.name: b for b in [
 
 
 def make_bug_target(name: str, config: OffloadConfig) -> OffloadScheduler:
-    """The variant ``name`` under ``config`` (its policy field is set to the bug's policy)."""
-    from dataclasses import replace
-
+    """The variant ``name`` under ``config``, which must have the bug's policy and no lazy offload
+    (``ConfigError`` otherwise, as ``kvspec fuzz`` refuses ``--target bug:X --policy Y``: a trace
+    recorded under another configuration would be judged under one it never ran)."""
     bug = BUGS[name]
-    cfg = replace(config, policy=bug.policy, lazy_offload=False)
+    if config.policy != bug.policy or config.lazy_offload:
+        got = f"policy {config.policy!r}" + (" with lazy_offload" if config.lazy_offload else "")
+        raise ConfigError(f"bug:{name} runs under policy {bug.policy!r} without lazy offload, "
+                          f"not under {got} (the trace's configuration); pass a target of that policy")
+    cfg = config
     cfg.validate()
     return bug.scheduler(cfg, BlockPool(cfg.num_gpu_blocks, "gpu", cfg.num_groups), bug.store_policy)

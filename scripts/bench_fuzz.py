@@ -102,8 +102,34 @@ def export_tree(rev: str, into: Path) -> Path:
     if archive.returncode != 0:
         raise SystemExit(f"--against {rev}: git archive failed: {archive.stderr.decode().strip()}")
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(into, filter="data")
+        extract_tree(tar, into)
     return installed_layout(into)
+
+
+def extract_tree(tar: tarfile.TarFile, into: Path) -> None:
+    """Extract a ``git archive`` of this repository under ``into``: with the "data" filter where
+    ``tarfile`` has one (Python 3.11.4+, 3.12), else (3.11.0-3.11.3, e.g. Debian's 3.11.2) after
+    checking the same things it would: every member a file, directory or link, none of them, nor
+    a link's target, leaving ``into``."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(into, filter="data")
+        return
+    root = into.resolve()
+
+    def inside(path: Path) -> bool:
+        return path == root or root in path.parents
+
+    for m in tar.getmembers():
+        where = (root / m.name).resolve()
+        if m.issym():
+            target = (where.parent / m.linkname).resolve()
+        elif m.islnk():
+            target = (root / m.linkname).resolve()
+        else:
+            target = where
+        if not (m.isfile() or m.isdir() or m.issym() or m.islnk()) or not inside(where) or not inside(target):
+            raise SystemExit(f"refusing to extract {m.name!r}: not a plain file, directory or link inside {root}")
+    tar.extractall(into)
 
 
 def measure_in(tree: Path | None, target: str, policy: str, seconds: float, seed: int, threads: int) -> float:

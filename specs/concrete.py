@@ -27,7 +27,7 @@ from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.types import CachedRequestData, NewRequestData, SchedulerOutput
 from kvspec.model import RepairPolicy, SignalRescanPolicy, make_scheduler
 from kvspec.model.scheduler import OffloadScheduler, StoreState
-from kvspec.specs.encoding import ARRAYS, Group, Quant, State, Unrolled
+from kvspec.specs.encoding import ARRAYS, Group, Quant, State, Unrolled, check_sat
 from kvspec.specs.transitions import Step, evict, plan_scan, repair_phase
 
 
@@ -173,7 +173,7 @@ def scan_quantified(policy: str, st: Small) -> tuple[Outcome, bool]:
     sv.add(*pins, *step.constraints, step.inputs["free"] == st.free, step.inputs["scheduled"] == st.scheduled)
     span = range(-1, max((len(ps) for ps in st.groups), default=0) + 2)
     sv.add(*step.scan.ground(span))
-    assert sv.check() == z3.sat, "the quantified scan has no successor"
+    assert check_sat(sv) == z3.sat, "the quantified scan has no successor"
     m = sv.model()
     cursors = [m.eval(c, model_completion=True).as_long() for c in step.scan.cur]
     sel_terms = {(g, i): z3.Or(step.scan.sel[g](i), step.scan.rescan[g](i))
@@ -182,7 +182,7 @@ def scan_quantified(policy: str, st: Small) -> tuple[Outcome, bool]:
     other = [c != v for c, v in zip(step.scan.cur, cursors, strict=True)]
     other += [t != z3.BoolVal(k in selected) for k, t in sel_terms.items()]
     sv.add(z3.Or(other) if other else z3.BoolVal(False))
-    unique = sv.check() == z3.unsat
+    unique = check_sat(sv) == z3.unsat
     return Outcome(cursors, selected), unique
 
 
@@ -211,7 +211,7 @@ def repair_phase_z3(st: Small, room: bool) -> tuple[Outcome, bool]:
     """The repair phase's successor (re-stored positions, records) over concrete values, and
     whether it is the only one the relation admits."""
     sv, enc, step, cells = _repair_solver(st, room)
-    assert sv.check() == z3.sat, "the repair phase has no successor"
+    assert check_sat(sv) == z3.sat, "the repair phase has no successor"
     m = sv.model()
     rest = {(g, i) for g, i in cells if z3.is_true(m.eval(step.restored[g](i), model_completion=True))}
     lost = {(g, i) for g, i in cells
@@ -219,7 +219,7 @@ def repair_phase_z3(st: Small, room: bool) -> tuple[Outcome, bool]:
     sv.add(z3.Or([step.restored[g](i) != z3.BoolVal((g, i) in rest) for g, i in cells]
                  + [enc.v(step.post, g, "lost", i) != z3.BoolVal((g, i) in lost) for g, i in cells]
                  + [z3.BoolVal(False)]))
-    return Outcome(list(st.cursors), rest, lost=lost), sv.check() == z3.unsat
+    return Outcome(list(st.cursors), rest, lost=lost), check_sat(sv) == z3.unsat
 
 
 def repair_phase_admits(st: Small, room: bool, out: Outcome) -> bool:
@@ -229,7 +229,7 @@ def repair_phase_admits(st: Small, room: bool, out: Outcome) -> bool:
     for g, i in cells:
         sv.add(step.restored[g](i) == ((g, i) in out.selected))
         sv.add(enc.v(step.post, g, "lost", i) == ((g, i) in out.lost))
-    return bool(sv.check() == z3.sat)
+    return bool(check_sat(sv) == z3.sat)
 
 
 # -- the model side ----------------------------------------------------------------------------
@@ -375,14 +375,14 @@ def evict_agrees(policy: str, st: Small, got: Evicted) -> tuple[bool, bool]:
         observed.append(step.post.flag == got.flag)
     sv.push()
     sv.add(*observed)
-    admitted = sv.check() == z3.sat
+    admitted = check_sat(sv) == z3.sat
     sv.pop()
     if policy == "signal-rescan" and not got.flag:
         # the abstraction lets keys outside the request leave too (any of them sets the flag);
         # with none of the request's keys gone, "flag stays clear" is admitted, not forced
         observed.pop()
     sv.add(z3.Not(z3.And(observed)) if observed else z3.BoolVal(False))
-    return admitted, sv.check() == z3.unsat
+    return admitted, check_sat(sv) == z3.unsat
 
 
 # -- bookkeeping transitions: preemption, full tables, finish, reset -----------------------------
@@ -463,4 +463,4 @@ def bookkeeping_agrees(policy: str, st: Small, what: str, got: Book) -> bool:
                 sv.add(enc.v(step.post, g, "infl", i) == ((g, i) in got.infl))
     if what == "finish":
         sv.add(step.post.active == got.active)
-    return bool(sv.check() == z3.sat)
+    return bool(check_sat(sv) == z3.sat)

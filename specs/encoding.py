@@ -42,6 +42,7 @@ unrolled scan with the model's Python code on every small state
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -51,6 +52,50 @@ ARRAYS = ("hashed", "owned", "cached", "cfree", "infl", "lost", "reg", "kept")
 POLICIES = ("baseline", "signal-rescan", "repair")
 
 _ids = itertools.count()
+
+# What Z3 answers for a check that Ctrl-C stopped while Z3's own SIGINT handler was installed (it
+# is, during a check, unless the solver's ``ctrl_c`` is off): it cancels the check (``unknown``)
+# and Python never sees the signal.
+Z3_INTERRUPTED = "interrupted from keyboard"
+
+
+def check_sat(s: z3.Solver, *assumptions: z3.ExprRef, threaded: bool = True) -> z3.CheckSatResult:
+    """``s.check(*assumptions)``, but Ctrl-C raises ``KeyboardInterrupt`` (read as an answer, an
+    interrupted check would make an obligation fail, or be retried, and the run go on as if
+    nothing had happened).
+
+    In the main thread (``threaded``) the check runs in a helper thread with Z3's own handler
+    off, while this thread waits: Python's handler sees the signal at once (whichever handler a
+    campaign worker installed), ``Z3_interrupt`` stops the check and the interrupt is raised. A
+    helper thread costs about 0.3 ms: callers checking on every fuzzed operation pass
+    ``threaded=False`` and get the check itself, with Z3's cancellation read back as the
+    interrupt."""
+    if not threaded or threading.current_thread() is not threading.main_thread():
+        r = s.check(*assumptions)
+        if r == z3.unknown and s.reason_unknown() == Z3_INTERRUPTED:
+            raise KeyboardInterrupt
+        return r
+    s.set("ctrl_c", False)
+    box: list[z3.CheckSatResult | BaseException] = []
+
+    def check() -> None:
+        try:
+            box.append(s.check(*assumptions))
+        except BaseException as exc:  # handed to the waiting thread
+            box.append(exc)
+
+    helper = threading.Thread(target=check, name="z3-check", daemon=True)
+    helper.start()
+    try:
+        helper.join()
+    except KeyboardInterrupt:
+        s.ctx.interrupt()  # the check answers unknown at once
+        helper.join()
+        raise
+    r = box[0]
+    if isinstance(r, BaseException):
+        raise r
+    return r
 
 
 class PosPred(Protocol):

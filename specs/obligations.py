@@ -30,6 +30,7 @@ catalogue ends with the second manager's obligations (``offloading_obligations.p
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -37,7 +38,7 @@ from typing import Any, NamedTuple
 
 import z3
 
-from kvspec.specs.encoding import Encoding, Quant, State, Unrolled, reset_names
+from kvspec.specs.encoding import Encoding, Quant, State, Unrolled, check_sat, reset_names
 from kvspec.specs.realizable import POSITIONS, realizable
 from kvspec.specs.solving import PASS as PASS
 from kvspec.specs.solving import RLIMIT as RLIMIT
@@ -188,7 +189,7 @@ def scans_agree(policy: str, G: int, M: int = BOUND) -> tuple[str, str, dict[str
     for shape in shapes:
         sv.push()
         sv.add(*[z3.And(sq.groups[g].n == n, sq.groups[g].cur == c) for g, (n, c) in enumerate(shape)])
-        r_ = sv.check()
+        r_ = check_sat(sv)
         sv.pop()
         if r_ != z3.unsat:
             return ("fails" if r_ == z3.sat else "unknown"), f"N, cursor per group = {shape}", {}
@@ -353,7 +354,7 @@ def _check_qe(constraints: list[z3.BoolRef]) -> z3.CheckSatResult:
     sv.set("random_seed", SEED)
     sv.set("rlimit", RLIMIT)
     sv.add(*constraints)
-    return sv.check()
+    return check_sat(sv)
 
 
 def successor_exists(enc: Unrolled, policy: str) -> tuple[str, str, dict[str, Any]]:
@@ -882,16 +883,34 @@ def _baseline_stores_unowned(enc: Encoding) -> tuple[str, str, dict[str, Any]]:
     return ("ok" if r == "sat" else "vacuous"), r, {}
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C stopped ``run_all``: ``results`` are those of the obligations done before it (the
+    one being checked is not among them)."""
+
+    def __init__(self, results: list[Result]) -> None:
+        super().__init__()
+        self.results = results
+
+
 def run_all(obs: list[Obligation] | None = None,
             progress: Callable[[Obligation, Result | None], None] | None = None) -> list[Result]:
-    out = []
-    for ob in obs if obs is not None else catalogue():
-        if progress:
-            progress(ob, None)
-        res = ob.run()
-        if progress:
-            progress(ob, res)
-        out.append(res)
+    """Every obligation in turn; Ctrl-C (inside a Z3 check too: ``encoding.check_sat``) raises
+    ``Interrupted`` with the results so far."""
+    out: list[Result] = []
+    try:
+        for ob in obs if obs is not None else catalogue():
+            if progress:
+                progress(ob, None)
+            res = ob.run()
+            if progress:
+                progress(ob, res)
+            out.append(res)
+    except KeyboardInterrupt:
+        raise Interrupted(out) from None
+    except ctypes.ArgumentError as exc:  # Ctrl-C while ctypes converted the arguments of a Z3 call
+        if "KeyboardInterrupt" not in str(exc):
+            raise
+        raise Interrupted(out) from None
     return out
 
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import z3
 
-from kvspec.specs.encoding import reset_names
+from kvspec.specs.encoding import check_sat, reset_names
 
 SEED = 7
 RLIMIT = 20_000_000
@@ -38,7 +38,7 @@ def _check(constraints: list[z3.BoolRef]) -> tuple[z3.CheckSatResult, z3.Solver]
     for seed in (SEED, SEED + 1, SEED + 2):
         s = solver(seed)
         s.add(*constraints)
-        r = s.check()
+        r = check_sat(s)
         if r != z3.unknown:
             break
     return r, s

@@ -513,7 +513,7 @@ ENGINE_CASES = [
          r"'a' has no load in flight"),
     Case("engine: finish an unknown request", engine_op(op="finish", rid="ghost"), UnknownRequestError,
          r"unknown request 'ghost'"),
-    Case("engine: finish twice", engine_op(op="finish", rid="z"), InvalidOperationError, r"z already finished"),
+    Case("engine: finish twice", engine_op(op="finish", rid="z"), InvalidOperationError, r"'z' already finished"),
 ]
 
 CASES: list[Case] = SCHEDULER_OUTPUT_CASES + CONNECTOR_OUTPUT_CASES + REQUEST_CASES + POOL_CASES + ENGINE_CASES

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -98,3 +99,57 @@ def test_fuzz_throughput_script_compares_two_trees() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"^model +repair: this tree +\d+, HEAD +\d+ checked ops per CPU second; "
                      r"median paired ratio \d+\.\d\d \(1 rounds of 0\.2 s\)$", done.stdout, re.M), done.stdout
+
+
+def test_the_tree_export_works_without_tarfiles_data_filter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.11.0-3.11.3 (Debian's 3.11.2) have no ``filter=`` for ``extractall``: the export
+    checks the members itself there, links inside the tree included, and refuses one that leaves it."""
+    import importlib.util
+    import io
+    import sys
+    import tarfile
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("bench_fuzz_script", root / "scripts" / "bench_fuzz.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_fuzz_script", bench)
+    spec.loader.exec_module(bench)
+
+    def archive(*members: tuple[str, str | None]) -> tarfile.TarFile:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for name, link in members:
+                info = tarfile.TarInfo(name)
+                if link is None:
+                    data = b"x = 1\n"
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                else:
+                    info.type, info.linkname = tarfile.SYMTYPE, link
+                    tar.addfile(info)
+        buf.seek(0)
+        return tarfile.open(fileobj=buf)
+
+    real = tarfile.TarFile.extractall
+
+    def old_extractall(self: tarfile.TarFile, path: str = ".", members: object = None, *,
+                       numeric_owner: bool = False, **kwargs: object) -> None:
+        if kwargs:
+            raise TypeError(f"extractall() got an unexpected keyword argument {next(iter(kwargs))!r}")
+        real(self, path, members, numeric_owner=numeric_owner)  # type: ignore[arg-type]
+
+    monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    monkeypatch.setattr(tarfile.TarFile, "extractall", old_extractall)
+    into = tmp_path / "tree"
+    into.mkdir()
+    bench.extract_tree(archive(("kvspec/a.py", None), ("layout/kvspec", "../kvspec")), into)
+    assert (into / "kvspec" / "a.py").read_text() == "x = 1\n" and (into / "layout" / "kvspec" / "a.py").exists()
+    for bad in (("../evil.py", None), ("ok/link", "../../outside")):
+        with pytest.raises(SystemExit, match="refusing to extract"):
+            bench.extract_tree(archive(bad), tmp_path / "other")
+    # the script's own use: this repository's HEAD, symlinks of .mypy-layout/ included
+    head = tmp_path / "head"
+    head.mkdir()
+    layout = bench.export_tree("HEAD", head)
+    assert (layout / "kvspec" / "__init__.py").exists()

@@ -32,10 +32,11 @@ from kvspec.drivers import harness
 from kvspec.drivers.engine import Engine
 from kvspec.drivers.harness import generate, run_ops
 from kvspec.drivers.opgen import OpGenerator, RandomChoices, random_config
+from kvspec.model.bugs import BUGS
 from kvspec.oracle.incremental import IncrementalOracle
 
 TARGETS = [(t, p) for t in ("model", "impl") for p in POLICIES] + [
-    (name, "repair") for name in target_names() if name.startswith("bug:")]
+    (name, BUGS[name[4:]].policy) for name in target_names() if name.startswith("bug:")]  # each bug's own policy
 
 
 @pytest.mark.parametrize(("target", "policy"), TARGETS)

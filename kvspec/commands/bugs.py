@@ -19,8 +19,8 @@ from functools import partial
 from typing import Any
 
 from kvspec.commands.fuzz import add_ray_argument, add_workers_argument, budget_seconds
-from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
-from kvspec.drivers.campaign import check_ray, check_workers, map_jobs
+from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError, exit_codes
+from kvspec.drivers.campaign import JobsInterrupted, check_ray, check_workers, map_jobs
 from kvspec.drivers.harness import VIOLATION, check_writable, finding_name, fuzz, save_trace
 from kvspec.drivers.trace import Trace
 from kvspec.model.bugs import BUGS, make_bug_target
@@ -28,7 +28,7 @@ from kvspec.report.html import page_for_trace
 
 NAME = "bugs"
 HELP = "fuzz each known-bug variant (invariants only, no reference model) and report what is found"
-EPILOG = "exit codes: 0 all found, 1 some not found, 2 bad input or usage, 3 internal error, 130 interrupted"
+EPILOG = exit_codes("every bug found", "some bug not found")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,26 +83,33 @@ def hunt(budget: float, seed: int, names: list[str] | None = None, out: str | No
     (``kvspec.drivers.campaign.map_jobs``). Traces are written here, by the driver."""
     names = names or list(BUGS)
     job = partial(hunt_one, budget, seed, quiet)
+    cut = False  # Ctrl-C stopped a hunt outside its search (which keeps its row), or the workers
+    hunts: list[Hunt] = []
     if workers == 1 and ray is None:
-        hunts = []
         for name in names:
-            hunts.append(map_jobs(job, [name], 1)[0])
-            if hunts[-1].interrupted:
+            try:
+                hunts.append(map_jobs(job, [name], 1)[0])
+            except JobsInterrupted:
+                cut = True
+            if cut or hunts[-1].interrupted:
                 break
     else:
-        hunts = map_jobs(job, names, workers, ray)
+        try:
+            hunts = map_jobs(job, names, workers, ray)
+        except JobsInterrupted as stop:  # Ctrl-C reached this process: the workers stopped with it
+            hunts, cut = stop.done(), True
     rows: list[dict[str, Any]] = []
     for h in hunts:
         if out is not None and h.trace is not None:
             _save(h.row["bug"], h.trace, out)
         rows.append(h.row)
-        if h.interrupted:
-            return rows, True
-    return rows, False
+    return rows, cut or any(h.interrupted for h in hunts)
 
 
 def run(args: argparse.Namespace) -> int:
-    names = args.only.split(",") if args.only else None
+    names = args.only.split(",") if args.only is not None else None
+    if names is not None and not any(names):
+        raise ConfigError("--only needs at least one bug name (comma-separated); leave it out for every bug")
     for n in names or []:
         if n not in BUGS:
             raise ConfigError(f"unknown bug {n[:60]!r}; known: {', '.join(BUGS)}")

@@ -8,8 +8,12 @@ default what the snapshot's policy (``scheduler.policy``) claims under the confi
 configuration and need no engine view.
 ``--oracle all`` is the whole catalogue; ``--oracle I1,I3`` (or ``--ids I1,I3``) exactly those.
 
+The file is read whole, up to ``--max-mb`` megabytes (256 by default; a larger file, or an
+endless one such as ``/dev/zero``, is refused without reading further). Snapshots carry
+``format_version`` (``kvspec.contract.snapshot_io``); one without it is read as version 1.
+
 Exit codes: 0 nothing violated; 1 violations (one line each: id, message, requests and
-blocks involved); 2 the file is unreadable or malformed (one line naming the field and
+blocks involved); 2 the file is unreadable, too large or malformed (one line naming the field and
 why), or the arguments are wrong, or an explicitly named invariant needs the ``engine``
 section the snapshot lacks (``claims`` and ``all`` skip those and say so).
 """
@@ -29,8 +33,9 @@ from kvspec.contract.errors import (
     ConfigError,
     KVSpecError,
     SnapshotFormatError,
+    exit_codes,
 )
-from kvspec.contract.snapshot_io import load_snapshot
+from kvspec.contract.snapshot_io import MAX_SNAPSHOT_BYTES, load_snapshot
 from kvspec.oracle import oracles
 from kvspec.oracle.catalogue import CATALOGUE, Violation
 
@@ -42,9 +47,9 @@ SHOWN_IDS = 10  # requests, and blocks x2, printed per violation in text mode
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = ("exit codes: 0 no invariant of the oracle violated, 1 violations, 2 bad input or usage "
-                     "(unreadable or malformed file, unknown oracle, engine-only ids on a snapshot without "
-                     "an engine section), 3 internal error, 130 interrupted")
+    parser.epilog = exit_codes("no invariant of the oracle violated", "violations",
+                               "bad input or usage (unreadable, too large or malformed file, unknown oracle, "
+                               "engine-only ids on a snapshot without an engine section)")
     parser.add_argument("file", metavar="FILE", help="snapshot JSON file (what OffloadTarget.snapshot() returns)")
     parser.add_argument("--json", action="store_true",
                         help='print {"ok": bool, "oracle": {"name", "ids"}, "violations": [...], '
@@ -55,6 +60,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "catalogue ids")
     parser.add_argument("--ids", metavar="ID,ID", default=None,
                         help="same as --oracle ID,ID: check only these invariants (e.g. I1,I3)")
+    parser.add_argument("--max-mb", type=_megabytes, default=MAX_SNAPSHOT_BYTES >> 20, metavar="MB",
+                        help=f"refuse (exit 2) a file larger than MB megabytes, read no further "
+                             f"(default {MAX_SNAPSHOT_BYTES >> 20}; a 10^6-block snapshot is about 50-70)")
+
+
+def _megabytes(text: str) -> int:
+    """An argparse type: a whole number of megabytes, 1..2^20."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of megabytes, got {text[:40]!r}") from None
+    if not 1 <= value <= 1 << 20:
+        raise argparse.ArgumentTypeError(f"must be in 1..{1 << 20}, got {value}")
+    return value
 
 
 # -- choosing the oracle ---------------------------------------------------------------------
@@ -169,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             oracles.parse_ids(args.ids, "--ids")  # an id list only: 'claims' and 'all' are --oracle's
         else:
             oracles.check_spec(spec)
-        snapshot = load_snapshot(args.file)
+        snapshot = load_snapshot(args.file, args.max_mb << 20)
         oracle = choose_oracle(snapshot, spec, option)
         violations, checked, skipped = check_snapshot(snapshot, oracle.ids)
     except KVSpecError as exc:

@@ -28,11 +28,12 @@ from typing import Any
 
 from kvspec.adapters.targets import RAW_PREFIX, get_factory, is_offloading_target, raw_target
 from kvspec.contract.config import POLICIES
-from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError
+from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, EXIT_INTERRUPTED, ConfigError, exit_codes
 from kvspec.contract.offloading import POLICIES as OFFLOADING_POLICIES
 from kvspec.drivers.campaign import (
     AUTO_WORKERS,
     Distinct,
+    JobsInterrupted,
     check_ray,
     check_workers,
     dedupe_key,
@@ -47,7 +48,7 @@ from kvspec.report.html import page_for_trace
 
 NAME = "fuzz"
 HELP = "fuzz a target with random engine traces; write each finding as a shrunk trace"
-EPILOG = "exit codes: 0 nothing found, 1 finding, 2 bad input or usage, 3 internal error, 130 interrupted"
+EPILOG = exit_codes("nothing found", "finding")
 
 
 def budget_seconds(text: str) -> float:
@@ -226,12 +227,18 @@ def run(args: argparse.Namespace) -> int:
         where = f" as Ray tasks on {ray}" if ray else ""
         print(f"{workers} workers{where}, seeds {', '.join(map(str, worker_seeds(args.seed, workers)))}",
               file=sys.stderr)
-    results = run_workers(functools.partial(fuzz_one, job), args.seed, workers, ray)
+    stopped = False
+    try:
+        results = run_workers(functools.partial(fuzz_one, job), args.seed, workers, ray)
+    except JobsInterrupted as stop:  # Ctrl-C reached this process: the workers stopped with it
+        results, stopped = stop.done(), True
+        if not results:  # no worker had started its search
+            raise KeyboardInterrupt from None
     if ray is not None:
         _save_here(job, results)
     state.save(results)
-    report(args, results, policy, time.monotonic() - start, state, pins)
-    if any(w.result.interrupted for w in results):
+    report(args, results, policy, time.monotonic() - start, state, pins, interrupted=stopped)
+    if stopped or any(w.result.interrupted for w in results):
         return EXIT_INTERRUPTED
     return EXIT_FINDING if any(w.result.found for w in results) else EXIT_CLEAN
 
@@ -289,7 +296,7 @@ class CampaignState:
 
 
 def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, wall: float,
-           state: CampaignState, pins: ConfigPins = NO_PINS) -> None:
+           state: CampaignState, pins: ConfigPins = NO_PINS, interrupted: bool = False) -> None:
     """The campaign's statistics and its distinct findings, as text or one JSON object."""
     distinct = Distinct()
     for w in results:
@@ -308,7 +315,7 @@ def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, w
     for w in results:
         for why, n in w.result.replays.items():
             replays[why] = replays.get(why, 0) + n
-    interrupted = any(w.result.interrupted for w in results)
+    interrupted = interrupted or any(w.result.interrupted for w in results)
     found = any(w.result.found for w in results)
     out: dict[str, Any] = {
         "target": args.target, "policy": policy, "oracle": res.oracle, "configs": pins.words(), "found": found,

@@ -44,12 +44,12 @@ from kvspec.adapters import vllm_compat as compat
 from kvspec.adapters.targets import raw_target
 from kvspec.commands.fuzz import add_workers_argument, budget_seconds
 from kvspec.contract.config import KVGroup, OffloadConfig
-from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError
+from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, exit_codes
 from kvspec.drivers.campaign import check_workers, single_threaded
 
 NAME = "history"
 HELP = "fuzz each real vLLM release with the invariants as the only oracle; table of findings"
-EPILOG = "exit codes: 0 nothing found, 1 findings, 2 bad input or a missing venv, 3 internal error"
+EPILOG = exit_codes("nothing found", "findings", "bad input, usage or a missing venv")
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,10 @@ found (and each completeness counterexample becomes an engine trace that reaches
 pre-state and reproduces its holes, each convergence counterexample one that reaches its
 pre-state and leaves its pending set, ``kvspec.drivers.synthesis``), every vacuity check
 passes, every existence check holds, every witness is reached and every mutation is caught
-(the second manager's, ``kvspec.specs.offloading_obligations``); 1 otherwise; 2 for bad usage
-(``-k`` empty or matching no obligation, with or without ``--list``; a ``--traces`` directory
-that cannot be made). ``--list --json`` prints the list as JSON.
+(the second manager's, ``kvspec.specs.offloading_obligations``); 1 otherwise; 130 on Ctrl-C
+(Z3's own handler included: ``encoding.check_sat``), after the table of the obligations done
+so far; 2 for bad usage (``-k`` empty or matching no obligation, with or without ``--list``; a
+``--traces`` directory that cannot be made). ``--list --json`` prints the list as JSON.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvspec.contract.errors import ConfigError, echo
+from kvspec.contract.errors import EXIT_INTERRUPTED, ConfigError, echo
+
+if TYPE_CHECKING:
+    from kvspec.specs.obligations import Result
 
 NAME = "prove"
 HELP = "run the Z3 proof obligations (proofs, bounded cross-checks, counterexamples, vacuity checks)"
@@ -43,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvspec.drivers.synthesis import realise
-    from kvspec.specs.obligations import PASS, Obligation, Result, catalogue, run_all
+    from kvspec.specs.obligations import Interrupted, Obligation, catalogue, run_all
 
     obs = catalogue(quick=args.quick, profile=args.profile)
     if args.select is not None:
@@ -83,20 +88,35 @@ def run(args: argparse.Namespace) -> int:
         mark = "ok" if res.ok else "FAILED"
         print(f" {res.result} ({res.seconds:.2f}s) {mark}", file=sys.stderr, flush=True)
 
-    results = run_all(obs, progress)
-    elapsed = time.perf_counter() - t0
+    try:
+        results = run_all(obs, progress)
+    except Interrupted as stop:
+        print(file=sys.stderr)  # ends the progress line of the obligation that was stopped
+        _show(args, stop.results, time.perf_counter() - t0, total)
+        return EXIT_INTERRUPTED
+    return _show(args, results, time.perf_counter() - t0, total)
+
+
+def _show(args: argparse.Namespace, results: list[Result], elapsed: float, total: int) -> int:
+    """The table (or JSON list) of ``results``; the exit code when they are all of the run (1 if
+    any is not as expected)."""
+    from kvspec.specs.obligations import PASS
+
     failed = [r for r in results if not r.ok]
+    cut = len(results) < total
     if args.json:
         print(json.dumps([r.to_json() for r in results], indent=2))
     else:
-        w = max(len(r.name) for r in results)
+        w = max((len(r.name) for r in results), default=len("obligation"))
         print(f"{'obligation':<{w}}  {'policy':<13}  {'kind':<14}  {'result':<9}  {'expected':<9}  seconds")
         for r in results:
             row = f"{r.name:<{w}}  {r.policy:<13}  {r.kind:<14}  {r.result:<9}  {PASS[r.kind]:<9}"
             row += f"  {r.seconds:7.2f}"
             note = f"   <- {r.detail}" if not r.ok else f"   {r.detail}" if r.kind == "counterexample" else ""
             print(row + note)
-        print(f"{len(results) - len(failed)}/{len(results)} as expected in {elapsed:.1f}s")
-    print(f"kvspec prove: {len(results) - len(failed)}/{len(results)} as expected, {elapsed:.1f}s",
+        done = f" (interrupted: {len(results)} of {total} obligations done)" if cut else ""
+        print(f"{len(results) - len(failed)}/{len(results)} as expected in {elapsed:.1f}s{done}")
+    state = f", interrupted after {len(results)} of {total}" if cut else ""
+    print(f"kvspec prove: {len(results) - len(failed)}/{len(results)} as expected, {elapsed:.1f}s{state}",
           file=sys.stderr)
     return 1 if failed else 0

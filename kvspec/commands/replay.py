@@ -15,7 +15,8 @@ invariant's rule and the blocks, keys and positions involved (with ``--json``, t
 the object's ``narration``). ``--html FILE`` writes the same narration as a self-contained page
 with a timeline picture.
 
-Exit codes: 0 no finding, 1 a finding, 2 bad trace or arguments, 3 internal error.
+Exit codes: 0 no finding, 1 a finding, 2 bad trace or arguments, 3 internal error, 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from kvspec.adapters import claims as claimed
 from kvspec.adapters.targets import TargetFactory, get_factory, raw_target
-from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, TraceError, echo
+from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, TraceError, echo, exit_codes
 from kvspec.drivers import trace as trace_io
 from kvspec.drivers.harness import Outcome, run_ops
 from kvspec.oracle import oracles
@@ -35,7 +36,7 @@ from kvspec.report.narrate import Narration, Narrator
 
 NAME = "replay"
 HELP = "replay a trace file on a target; report the first finding (op index, invariant or crash) or divergence"
-EPILOG = "exit codes: 0 no finding, 1 finding, 2 bad input or usage, 3 internal error"
+EPILOG = exit_codes("no finding", "finding")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
             narration, out = None, run_ops(tr.config, tr.ops(), factory, orc.ids, reference, refine=refine)
         if out.input_error:
             raise TraceError(tr.line, f"operation {out.op_index}: {out.expectation}")
+        if recorded is not None and recorded["op_index"] is not None and recorded["op_index"] >= tr.ops_read:
+            tr.finish()  # the run stopped before the recorded index: is it in the trace at all?
     same = _matches(recorded, out)
     if args.html is not None and narration is not None:
         try:

@@ -4,7 +4,9 @@ Runs, in order: the proofs (``kvspec prove``), a conformance campaign
 (the stateful harness on the model's correct policies, and the implementation
 against the model when it is installed), the known-bug catalogue, and the vLLM
 conformance when vLLM is importable. Prints a summary table (or ``--json``) and
-exits non-zero on any failure.
+exits non-zero on any failure. Ctrl-C stops the stage running (the proofs inside a Z3 check
+too), runs no further stage, prints the rows so far (the stopped stage's says how far it got)
+and exits 130.
 """
 
 from __future__ import annotations
@@ -22,16 +24,15 @@ from typing import Any
 
 from kvspec.adapters.targets import get_factory
 from kvspec.commands.fuzz import add_ray_argument, add_workers_argument, budget_seconds
-from kvspec.contract.errors import ConfigError
-from kvspec.drivers.campaign import check_ray, check_workers, map_jobs
+from kvspec.contract.errors import EXIT_INTERRUPTED, ConfigError, exit_codes
+from kvspec.drivers.campaign import JobsInterrupted, Partial, check_ray, check_workers, map_jobs
 from kvspec.drivers.harness import default_oracle, generate, run_ops
 from kvspec.drivers.opgen import RandomChoices, random_config
 from kvspec.model import make_scheduler
 
 NAME = "verify"
 HELP = "the main job: proofs, a conformance campaign, the known-bug catalogue (and vLLM when installed)"
-EPILOG = ("exit codes: 0 every stage passed or was skipped with a reason, 1 a stage failed, 2 bad usage, "
-          "3 internal error")
+EPILOG = exit_codes("every stage passed or was skipped with a reason", "a stage failed")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,12 +55,20 @@ class Stage:
     args: tuple[Any, ...] = ()
 
 
+INTERRUPTED = "interrupted"
+
+
 def run_stage(quiet: bool, stage: Stage) -> dict[str, Any]:
     """Run one stage; its row (result pass / FAIL / skipped, seconds, detail)."""
     if not quiet:
         print(f"[verify] {stage.name} ...", file=sys.stderr)
     t = time.monotonic()
-    ok, detail = stage.check(*stage.args)
+    try:
+        ok, detail = stage.check(*stage.args)
+    except KeyboardInterrupt as exc:  # the row says how far the stage got; no later stage runs
+        detail = str(exc.result) if isinstance(exc, Partial) else "stopped by Ctrl-C"
+        raise Partial({"stage": stage.name, "result": INTERRUPTED, "seconds": round(time.monotonic() - t, 2),
+                       "detail": detail}) from None
     return {"stage": stage.name, "result": {True: "pass", False: "FAIL", None: "skipped"}[ok],
             "seconds": round(time.monotonic() - t, 2), "detail": detail}
 
@@ -87,9 +96,16 @@ def _campaign(policy: str, target: str, reference: bool, budget: float, seed: in
 
 
 def _proofs() -> tuple[bool | None, str]:
-    from kvspec.specs.obligations import catalogue, run_all
+    from kvspec.specs.obligations import Interrupted, catalogue, run_all
 
-    results = run_all(catalogue(), lambda ob, res: None)
+    obs = catalogue()
+    try:
+        results = run_all(obs, lambda ob, res: None)
+    except Interrupted as stop:  # a Ctrl-C inside a Z3 check included (encoding.check_sat)
+        bad = [r.name for r in stop.results if not r.ok]
+        raise Partial(f"interrupted after {len(stop.results)} of {len(obs)} obligations, "
+                      f"{len(stop.results) - len(bad)} of them as expected"
+                      + (f"; not: {', '.join(bad)}" if bad else "")) from None
     bad = [r.name for r in results if not r.ok]
     return not bad, f"{len(results) - len(bad)}/{len(results)} obligations as expected" + (
         f"; not: {', '.join(bad)}" if bad else "")
@@ -98,7 +114,9 @@ def _proofs() -> tuple[bool | None, str]:
 def _known_bugs(budget: float) -> tuple[bool, str]:
     from kvspec.commands.bugs import hunt
 
-    found, _ = hunt(budget, 1, quiet=True)
+    found, interrupted = hunt(budget, 1, quiet=True)
+    if interrupted:
+        raise Partial(f"interrupted after {len(found)} bugs, {sum(r['found'] for r in found)} found")
     missed = [r["bug"] for r in found if not r["found"]]
     return not missed, f"{len(found) - len(missed)}/{len(found)} known bugs found as violations" + (
         f"; missed {', '.join(missed)}" if missed else "")
@@ -128,13 +146,24 @@ def stages(budget: float, bug_budget: float, seed: int) -> list[Stage]:
 
 def run(args: argparse.Namespace) -> int:
     workers, ray = check_workers(args.workers, args.ray), check_ray(args.ray)
-    rows = map_jobs(partial(run_stage, args.json), stages(args.budget, args.bug_budget, args.seed), workers, ray)
+    todo = stages(args.budget, args.bug_budget, args.seed)
+    interrupted = False
+    try:
+        rows = map_jobs(partial(run_stage, args.json), todo, workers, ray)
+    except JobsInterrupted as stop:  # Ctrl-C: the stages done, the one(s) stopped, no further stage
+        interrupted = True
+        rows = [r if r is not None else {"stage": st.name, "result": "not run", "seconds": 0.0,
+                                         "detail": "not run: interrupted before it started"}
+                for st, r in zip(todo, stop.results, strict=True)]
     failed = any(r["result"] == "FAIL" for r in rows)
     if args.json:
-        print(json.dumps({"ok": not failed, "stages": rows}))
+        print(json.dumps({"ok": not failed and not interrupted, "interrupted": interrupted, "stages": rows}))
     else:
-        print(f"{'stage':34} {'result':8} {'seconds':>8}  detail")
+        print(f"{'stage':34} {'result':11} {'seconds':>8}  detail")
         for r in rows:
-            print(f"{r['stage']:34} {r['result']:8} {r['seconds']:8.1f}  {r['detail']}")
-        print("verify: " + ("FAILED" if failed else "all stages passed or were skipped with a reason"))
+            print(f"{r['stage']:34} {r['result']:11} {r['seconds']:8.1f}  {r['detail']}")
+        print("verify: " + ("interrupted" if interrupted else "FAILED" if failed
+                            else "all stages passed or were skipped with a reason"))
+    if interrupted:
+        return EXIT_INTERRUPTED
     return 1 if failed else 0

@@ -77,11 +77,20 @@ class SnapshotFormatError(KVSpecError):
 
 EXIT_CLEAN = 0  # nothing found, every check passed
 EXIT_FINDING = 1  # a violation, a crash of a target, a divergence, or a failed check
-EXIT_BAD_INPUT = 2  # bad input or usage: a malformed file, an unknown name, a bad option
+EXIT_BAD_INPUT = 2  # bad input or usage: a malformed file, an unknown name, a bad option; also an
+# I/O error of the user's environment (output that cannot be written: a full disk, /dev/full, a
+# read-only or unwritable directory), which is no more kvspec's bug than a malformed file
 EXIT_INTERNAL = 3  # kvspec itself failed (a bug in kvspec: please report it)
 EXIT_INTERRUPTED = 130  # Ctrl-C: statistics so far printed, findings kept
 
 ECHO_LIMIT = 80
+
+
+def exit_codes(clean: str, finding: str, bad: str = "bad input or usage") -> str:
+    """The exit-code line of a command's ``--help``: every code, in the words of that command
+    for 0, 1 and 2 (the same codes for every command)."""
+    return (f"exit codes: 0 {clean}, 1 {finding}, 2 {bad} or an I/O error of the environment "
+            "(e.g. output to a full disk), 3 internal error of kvspec, 130 interrupted")
 
 
 _SCALARS = (str, int, float, bool, type(None))

@@ -29,7 +29,9 @@ echoed whole.
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 import sys
 from collections.abc import Iterator
 from functools import cache
@@ -53,6 +55,15 @@ from kvspec.contract.schema_check import (
 )
 
 SCHEMA_RESOURCE = "snapshot.schema.json"
+FORMAT_VERSION = 1  # written by dump_snapshot as "format_version"; read: this one, and none (below)
+VERSION_FIELD = "format_version"
+# Snapshots written before the format had a version carry no "format_version": they are read as
+# version 1, the format they follow. An older draft of that format (before C7/C8 judged every
+# finish flush) recorded an abort's flush as engine.last_finish, replaced by engine.finishes: the
+# old field lacks what the new one records, so such a snapshot is refused by name.
+OLDER_FIELDS = {("engine", "last_finish"): "engine.finishes (the draft before version 1 recorded one abort's "
+                                            "flush, without the facts C7 and C8 now read)"}
+MAX_SNAPSHOT_BYTES = 256 << 20  # a file larger than this is refused before it is parsed
 MAX_DEPTH = 64  # levels of nested lists/objects, the root object counting as 1
 FILE_NAME_LIMIT = 200  # characters of a file name a message shows whole
 
@@ -94,6 +105,9 @@ def snapshot_issues(snapshot: object) -> list[FormatIssue]:
     deep = depth_issue(snapshot, MAX_DEPTH)
     if deep is not None:
         return [deep]
+    version = _version_issue(snapshot)
+    if version is not None:
+        return [version]
     try:
         issues = _validator().issues(snapshot)
         if issues:
@@ -116,6 +130,30 @@ def validate_snapshot(snapshot: object) -> dict[str, Any]:
         raise err
     assert isinstance(snapshot, dict)
     return snapshot
+
+
+def _version_issue(snapshot: object) -> FormatIssue | None:
+    """A snapshot of a format this kvspec does not read, named: a ``format_version`` other than
+    ``FORMAT_VERSION``, or a field of the draft before version 1."""
+    if not isinstance(snapshot, dict):
+        return None
+    if VERSION_FIELD in snapshot:
+        v = snapshot[VERSION_FIELD]
+        if not isinstance(v, int) or isinstance(v, bool):
+            return FormatIssue(VERSION_FIELD, f"must be an integer (the snapshot format's version), got {show(v)}")
+        if v != FORMAT_VERSION:
+            newer = "newer than" if v > FORMAT_VERSION else "not one of the versions"
+            return FormatIssue(VERSION_FIELD, f"snapshot format version {show(v)} is {newer} what this kvspec "
+                               f"reads (version {FORMAT_VERSION}, and snapshots without a version, which are "
+                               f"read as version {FORMAT_VERSION})")
+        return None
+    for (section, field), replaced in OLDER_FIELDS.items():
+        part = snapshot.get(section)
+        if isinstance(part, dict) and field in part:
+            return FormatIssue(f"{section}.{field}", f"a field of the unversioned draft before snapshot format "
+                               f"version {FORMAT_VERSION}, which this kvspec does not read (replaced by "
+                               f"{replaced}); write the snapshot again with this kvspec")
+    return None
 
 
 def parse_snapshot(text: str, source: str = "snapshot") -> dict[str, Any]:
@@ -149,24 +187,40 @@ def _value_error_text(text: str, source: str, exc: ValueError) -> str:
             f"(kvspec reads at most {limit})")
 
 
-def load_snapshot(path: str | Path) -> dict[str, Any]:
+def load_snapshot(path: str | Path, limit: int = MAX_SNAPSHOT_BYTES) -> dict[str, Any]:
     """Read a snapshot file and validate it; ``SnapshotFormatError`` names what is wrong."""
+    return parse_snapshot(read_snapshot_text(path, limit), _show_name(str(path)))
+
+
+def read_snapshot_text(path: str | Path, limit: int = MAX_SNAPSHOT_BYTES) -> str:
+    """A snapshot file's text; ``SnapshotFormatError`` when it cannot be read, is not UTF-8, or
+    holds more than ``limit`` bytes (never read further than that: ``/dev/zero`` is refused
+    after ``limit + 1`` bytes, a large regular file from its size alone)."""
     p = Path(path)
     name = _show_name(str(p))
+    too_big = (f"{name}: larger than {limit:,} bytes, the most check-snapshot reads "
+               f"(a 10^6-block snapshot is about 50-70 MB; --max-mb raises the limit)")
     try:
-        text = p.read_text(encoding="utf-8")
+        with p.open("rb") as f:
+            info = os.fstat(f.fileno())
+            if stat.S_ISREG(info.st_mode) and info.st_size > limit:
+                raise SnapshotFormatError(too_big)
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise SnapshotFormatError(too_big)
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise SnapshotFormatError(f"{name}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise SnapshotFormatError(f"{name}: cannot read: {exc.strerror or type(exc).__name__}") from None
     except ValueError as exc:  # e.g. a NUL byte in the path
         raise SnapshotFormatError(f"{name}: cannot read: {exc}") from None
-    return parse_snapshot(text, name)
 
 
 def dump_snapshot(snapshot: dict[str, Any], path: str | Path) -> None:
-    """Write ``snapshot`` as JSON (keys in the snapshot's own order); validates first, so
-    that only well-formed files are written."""
+    """Write ``snapshot`` as JSON (``format_version`` first, then the snapshot's keys in its own
+    order); validates first, so that only well-formed files are written."""
+    snapshot = {VERSION_FIELD: FORMAT_VERSION, **snapshot}
     validate_snapshot(snapshot)
     Path(path).write_text(json.dumps(snapshot, indent=1) + "\n", encoding="utf-8")
 
@@ -244,22 +298,8 @@ def _engine_issues(s: dict[str, Any], gpu_n: int, cpu_n: int) -> Iterator[Format
     for field, n in (("gpu_data", gpu_n), ("cpu_data", cpu_n)):
         if len(eng[field]) != n:
             yield FormatIssue(f"engine.{field}", f"expected one entry per block ({show(n)}), got {len(eng[field])}")
-    bs = cfg["block_size"]
     for rid, r in eng["requests"].items():
-        here = (*ep, "requests", rid)
-        if len(r["table"]) != groups:
-            yield FormatIssue(fmt_path((*here, "table")), f"expected one table per group ({groups}), "
-                              f"got {len(r['table'])}")
-        for g, ids in enumerate(r["table"]):
-            yield from _ids_in_range(ids, gpu_n, (*here, "table", g))
-        if r["num_computed_tokens"] > r["num_tokens"]:
-            yield FormatIssue(fmt_path((*here, "num_computed_tokens")),
-                              f"{show(r['num_computed_tokens'])} exceeds num_tokens {show(r['num_tokens'])}")
-        elif r["status"] in ("running", "loaded"):
-            need = max((min(r["num_computed_tokens"] // bs, len(t)) for t in r["table"]), default=0)
-            if len(r["block_hashes"]) < need:
-                yield FormatIssue(fmt_path((*here, "block_hashes")),
-                                  f"has {len(r['block_hashes'])} hashes, the computed blocks need {need}")
+        yield from _request_issues(r, (*ep, "requests", rid), groups, gpu_n, cfg["block_size"])
     sched = s["scheduler"]
     for rid, st in sched["reqs_to_store"].items():
         if len(st["block_ids"]) != groups:
@@ -286,6 +326,29 @@ def _engine_issues(s: dict[str, Any], gpu_n: int, cpu_n: int) -> Iterator[Format
         OffloadConfig.from_json(cfg)
     except KVSpecError as exc:
         yield FormatIssue("engine.config", f"not a valid configuration: {exc}")
+
+
+def _request_issues(r: dict[str, Any], here: tuple[str, ...], groups: int, gpu_n: int,
+                    bs: int) -> Iterator[FormatIssue]:
+    """One engine request's tables, token counts and hashes against the configuration."""
+    if len(r["table"]) != groups:
+        yield FormatIssue(fmt_path((*here, "table")), f"expected one table per group ({groups}), "
+                          f"got {len(r['table'])}")
+    for g, ids in enumerate(r["table"]):
+        yield from _ids_in_range(ids, gpu_n, (*here, "table", g))
+    # under async scheduling the computed tokens include the output placeholders (tokens being
+    # sampled, not yet appended); only the appended tokens are hashed
+    placeholders = r.get("num_output_placeholders", 0)
+    if r["num_computed_tokens"] > r["num_tokens"] + placeholders:
+        yield FormatIssue(fmt_path((*here, "num_computed_tokens")),
+                          f"{show(r['num_computed_tokens'])} exceeds num_tokens {show(r['num_tokens'])}"
+                          + (f" + {show(placeholders)} output placeholders" if placeholders else ""))
+    elif r["status"] in ("running", "loaded"):
+        hashed = min(r["num_computed_tokens"], r["num_tokens"])
+        need = max((min(hashed // bs, len(t)) for t in r["table"]), default=0)
+        if len(r["block_hashes"]) < need:
+            yield FormatIssue(fmt_path((*here, "block_hashes")),
+                              f"has {len(r['block_hashes'])} hashes, the computed blocks need {need}")
 
 
 def _ids_in_range(ids: list[int], n: int, path: tuple[str | int, ...],

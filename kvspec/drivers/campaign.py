@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from types import FrameType
+from typing import Any, Generic, TypeVar, cast
 
 from kvspec.contract.errors import ConfigError
 
@@ -62,7 +65,8 @@ def check_workers(workers: object, ray: object = None) -> int:
 
 
 def check_ray(address: object) -> str | None:
-    """``--ray``: None (no Ray), ``auto`` or ``HOST:PORT``; Ray must be importable."""
+    """``--ray``: None (no Ray), ``auto`` or ``HOST:PORT``; Ray must be importable, and a
+    ``HOST:PORT`` must accept a connection (``_reach_ray``), before any work starts."""
     if address is None:
         return None
     if not isinstance(address, str) or not (address == "auto" or _host_port(address)):
@@ -71,6 +75,8 @@ def check_ray(address: object) -> str | None:
         import ray  # noqa: F401
     except ImportError:
         raise ConfigError("--ray needs Ray: pip install 'kvspec[ray]'") from None
+    if address != "auto":
+        _reach_ray(address)
     return address
 
 
@@ -88,22 +94,146 @@ def single_threaded() -> None:
     torch.set_num_threads(1)
 
 
+class Partial(KeyboardInterrupt, Generic[R]):
+    """Raised by a job that Ctrl-C stopped but that has something to show for it (a stage's row
+    saying how far it got): ``map_jobs`` keeps ``result`` as the item's result."""
+
+    def __init__(self, result: R) -> None:
+        super().__init__(result)  # the one argument, so that it crosses a process boundary
+        self.result = result
+
+
+class JobsInterrupted(KeyboardInterrupt, Generic[R]):
+    """Ctrl-C stopped a campaign: ``results[i]`` is item ``i``'s result (or a ``Partial``'s), or
+    None where its job never ran or was stopped with nothing to show."""
+
+    def __init__(self, results: list[R | None]) -> None:
+        super().__init__()
+        self.results = results
+
+    def done(self) -> list[R]:
+        return [r for r in self.results if r is not None]
+
+
+# Worker processes: SIGINT stops the job running (KeyboardInterrupt, once) and every job not yet
+# started (refused at once), so that a campaign stops as soon as its parent forwards Ctrl-C.
+_stopping = False
+_busy = False
+
+
+def _on_sigint(signum: int, frame: FrameType | None) -> None:
+    global _stopping
+    if _stopping:
+        return  # a second SIGINT (the terminal's and the parent's): the job is already stopping
+    _stopping = True
+    if _busy:
+        raise KeyboardInterrupt
+
+
+def _worker_start() -> None:
+    single_threaded()
+    signal.signal(signal.SIGINT, _on_sigint)
+
+
 def _in_worker(job: Callable[[Any], R], item: Any) -> R:
     single_threaded()
     return job(item)
 
 
+def _in_pool_worker(job: Callable[[Any], R], item: Any) -> R:
+    global _busy
+    if _stopping:
+        raise KeyboardInterrupt
+    _busy = True
+    try:
+        return job(item)
+    finally:
+        _busy = False
+
+
 def map_jobs(job: Callable[[Any], R], items: Sequence[Any], workers: int, ray: str | None = None) -> list[R]:
     """``job(item)`` for each item, results in item order: as Ray tasks on the cluster at ``ray``
-    (one CPU each), else in ``workers`` spawned processes, else (one worker) in this one."""
+    (one CPU each), else in ``workers`` spawned processes, else (one worker) in this one.
+
+    Ctrl-C, whether the terminal sends it to every process or only this one gets it, stops the
+    jobs running (the parent forwards SIGINT to its workers) and those not yet started, then
+    raises ``JobsInterrupted`` with the results there are: a job that handles Ctrl-C itself (the
+    fuzzer returns its statistics so far) or raises ``Partial`` has one."""
     if ray is not None:
         return _on_ray(job, items, ray)
     if check_workers(workers) == 1 or len(items) <= 1:
-        return [_in_worker(job, x) for x in items]
+        out: list[R] = []
+        try:
+            for x in items:
+                out.append(_in_worker(job, x))
+        except Partial as stop:
+            raise JobsInterrupted([*out, stop.result, *[None] * (len(items) - len(out) - 1)]) from None
+        except KeyboardInterrupt:
+            raise JobsInterrupted([*out, *[None] * (len(items) - len(out))]) from None
+        return out
+    return _in_processes(job, items, min(workers, len(items)))
+
+
+def _in_processes(job: Callable[[Any], R], items: Sequence[Any], workers: int) -> list[R]:
     ctx = multiprocessing.get_context("spawn")  # no state shared with the parent beyond the job
-    with ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=ctx,
-                             initializer=single_threaded) as pool:
-        return list(pool.map(job, items))
+    stopped = False
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_start) as pool:
+        futures: list[Future[R]] = [pool.submit(_in_pool_worker, job, x) for x in items]
+        try:
+            wait(futures)
+        except KeyboardInterrupt:
+            stopped = True
+            for f in futures:
+                f.cancel()
+            _signal_workers(signal.SIGINT)
+            try:
+                wait(futures)
+            except KeyboardInterrupt:  # a second Ctrl-C: no waiting for the workers' statistics
+                _signal_workers(signal.SIGKILL)
+    results: list[R | None] = [None] * len(items)
+    for i, f in enumerate(futures):
+        if f.cancelled():
+            continue
+        exc = f.exception()
+        if exc is None:
+            results[i] = f.result()
+        elif isinstance(exc, Partial):
+            stopped, results[i] = True, exc.result
+        elif isinstance(exc, KeyboardInterrupt) or (stopped and isinstance(exc, BrokenProcessPool)):
+            stopped = True
+        else:
+            raise exc
+    if stopped:
+        raise JobsInterrupted(results)
+    return cast(list[R], results)
+
+
+def _signal_workers(signum: int) -> None:
+    """Send ``signum`` to every live worker process of this one."""
+    for p in multiprocessing.active_children():
+        if p.pid is not None:
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+RAY_CONNECT_TIMEOUT_S = 10.0  # how long a --ray HOST:PORT may take to accept a connection
+
+
+def _reach_ray(address: str) -> None:
+    """Refuse (``ConfigError``, naming the address) a ``HOST:PORT`` where nothing accepts a
+    connection within ``RAY_CONNECT_TIMEOUT_S``: ``ray.init`` would wait for it far longer."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        why = f"no answer within {RAY_CONNECT_TIMEOUT_S:.0f} s" if isinstance(exc, TimeoutError) \
+            else exc.strerror or type(exc).__name__
+        raise ConfigError(f"--ray {address}: no Ray cluster reachable there ({why}); start one on that machine "
+                          f"with `ray start --head --port {port}`, or check the address") from None
 
 
 def _on_ray(job: Callable[[Any], R], items: Sequence[Any], address: str) -> list[R]:
@@ -111,7 +241,14 @@ def _on_ray(job: Callable[[Any], R], items: Sequence[Any], address: str) -> list
 
     import ray
 
-    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    try:
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+    except ConnectionError as exc:  # Ray's "could not find any running Ray instance", among others
+        if address == "auto":
+            raise ConfigError("--ray auto: no running Ray cluster found on this machine (start one with "
+                              "`ray start --head`, set RAY_ADDRESS to a cluster's address, or pass --ray "
+                              "HOST:PORT; without --ray the workers run here)") from None
+        raise ConfigError(f"--ray {address}: cannot join the Ray cluster there ({str(exc)[:200]})") from None
     try:
         task: Any = ray.remote(num_cpus=1)(_in_worker)
         return list(ray.get([task.remote(job, x) for x in items]))

@@ -610,7 +610,7 @@ class Engine:
     def op_finish(self, rid: str) -> None:
         """``rid`` stops or is aborted, in whatever phase it is."""
         if self.status(rid) == FINISHED:
-            raise InvalidOperationError(f"{rid} already finished")
+            raise InvalidOperationError(f"{echo(rid)} already finished")
         self._finish(self.requests[rid], plan=True)
 
     def _finish(self, r: EngineRequest, plan: bool = False) -> None:

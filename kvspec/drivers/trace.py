@@ -39,6 +39,7 @@ from typing import IO, Any
 
 from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import ConfigError, TraceError, echo
+from kvspec.contract.schema_check import no_duplicate_keys
 
 TRACE_VERSION = 3  # written; versions 1..TRACE_VERSION are read
 SYNC_ONLY_VERSION = 2  # the last version written before async scheduling was modelled
@@ -295,6 +296,7 @@ class TraceStream:
         self._stream = stream
         self.name = name
         self.line = 0  # the number of the last line read
+        self.ops_read = 0  # operations read so far
         try:
             first = self._next_record()
             if first is None:
@@ -317,12 +319,29 @@ class TraceStream:
 
     def ops(self) -> Iterator[dict[str, Any]]:
         """The operations still unread, each checked (``parse_op``) as its line is read; a bad line
-        raises ``TraceError`` when it is reached. One pass: the lines are not kept."""
+        raises ``TraceError`` when it is reached. One pass: the lines are not kept. At the end, a
+        header finding whose operation index is past the last operation raises ``TraceError``
+        (line 1, the header's)."""
         while True:
             record = self._next_record()
             if record is None:
+                self._check_finding_index()
                 return
-            yield parse_op(record[1], record[0])
+            op = parse_op(record[1], record[0])
+            self.ops_read += 1
+            yield op
+
+    def _check_finding_index(self) -> None:
+        index = self.finding.get("op_index") if self.finding is not None else None
+        if index is not None and index >= self.ops_read:
+            raise TraceError(1, f"header.finding.op_index is {index}, but the trace has {self.ops_read} "
+                             f"operation(s) (indices 0..{self.ops_read - 1})")
+
+    def finish(self) -> None:
+        """Read the operations not read yet (checking each, and the finding's index at the end):
+        for a reader that stopped early, e.g. at a finding, so that the whole file is judged."""
+        for _ in self.ops():
+            pass
 
     def _readline(self) -> str:
         try:
@@ -349,7 +368,7 @@ class TraceStream:
         if _too_deep(raw):
             raise TraceError(line, f"nesting too deep: more than {MAX_NESTING} levels of arrays/objects")
         try:
-            return json.loads(raw)
+            return json.loads(raw, object_pairs_hook=no_duplicate_keys)
         except RecursionError:
             raise TraceError(line, "nesting too deep for the JSON parser") from None
         except json.JSONDecodeError as exc:

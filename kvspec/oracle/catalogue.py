@@ -317,10 +317,15 @@ def _i2(s: Snapshot) -> Iterable[Violation]:
 
 @invariant("I3", "map consistency", enforced_by=("model assertion", "stateful invariant"))
 def _i3(s: Snapshot) -> Iterable[Violation]:
-    """Every block a map lists carries that key; a free hashed block is in the map under it;
-    on the CPU a block is hashed iff it is in the map, and store destinations are unhashed."""
+    """Every block a map lists carries that key, and is listed once (vLLM's map holds a key's
+    blocks by id); a free hashed block is in the map under it; on the CPU a block is hashed iff
+    it is in the map, and store destinations are unhashed."""
     for name, p in _pools(s):
         for key, ids in p["cached"].items():
+            if len(ids) > 1 and len(set(ids)) < len(ids):
+                for b, n in Counter(ids).items():
+                    if n > 1:
+                        yield Violation("I3", f"{name}: map lists block {b} {n} times under {key}", (b,))
             for b in ids:
                 if p["block_hash"][b] != key:
                     yield Violation("I3", f"{name}: map lists block {b} under {key} but it carries "

@@ -108,7 +108,9 @@ class IncrementalOracle:
         self._sections = tuple((path, tuple(keys)) for path, keys in sections.items())
         self._parts: tuple[Part, ...] = tuple((*path, k) for path, keys in self._sections for k in keys)
         index = {p: n for n, p in enumerate(self._parts)}
-        self._masks = tuple(sum(1 << index[p] for p in table[i]) for i in self.ids)
+        # each part once: a part listed twice for an invariant (C1 reads the GPU hashes for what it
+        # owns and for what is covered) must not add its bit twice, which carried into the next part's
+        self._masks = tuple(sum(1 << index[p] for p in dict.fromkeys(table[i])) for i in self.ids)
         self._target_parts = sum(1 << n for n, p in enumerate(self._parts) if p[0] != "engine")
         self._last: list[Any] | None = None
         self.ran = 0

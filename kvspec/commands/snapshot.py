@@ -1,0 +1,66 @@
+"""``kvspec snapshot TRACE --out FILE``: replay a trace on a target and write its snapshot.
+
+The file is what ``kvspec check-snapshot`` reads (``kvspec/contract/schema/snapshot.schema.json``,
+``format_version`` 1): the target's pools and scheduler state (``OffloadTarget.snapshot()``) and
+the engine's view, after the trace's last operation or after operation ``--at N`` (0-based,
+inclusive). The target is ``--target`` or the one the trace header names: ``model``, ``impl``,
+``bug:<name>``, or a real vLLM manager through kvspec's adapter (``vllm``, ``vllm+pr47235``,
+``vllm+repair``, ``vllm@VERSION``; in the venv that holds it). Operations the target rejects
+cleanly change nothing and are counted; a crash of the target writes nothing (exit 1).
+No invariant is checked here: ``kvspec check-snapshot FILE`` does that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvspec.adapters.targets import get_factory
+from kvspec.commands.replay import header_target
+from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, KVSpecError, echo, exit_codes
+from kvspec.contract.snapshot_io import FORMAT_VERSION, dump_snapshot
+from kvspec.drivers import trace as trace_io
+from kvspec.drivers.engine import Engine
+
+NAME = "snapshot"
+HELP = "replay a trace on a target and write its snapshot (the file check-snapshot reads)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = exit_codes("snapshot written", "the target crashed (nothing written)")
+    p.add_argument("trace", metavar="TRACE")
+    p.add_argument("--out", required=True, metavar="FILE", help="the snapshot file to write")
+    p.add_argument("--target", default=None,
+                   help="model, impl, bug:<name> or a real vLLM target (default: the trace header's)")
+    p.add_argument("--at", type=int, default=None, metavar="N",
+                   help="the snapshot after operation N (0-based; default: after the last)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.at is not None and args.at < 0:
+        raise ConfigError(f"--at must be an operation index >= 0, got {args.at}")
+    with trace_io.open_trace(args.trace) as tr:
+        name = args.target or header_target(tr.target)
+        engine = Engine(get_factory(name)(tr.config))
+        applied = rejected = 0
+        for i, op in enumerate(tr.ops()):
+            if args.at is not None and i > args.at:
+                break
+            try:
+                engine.apply(op)
+            except KVSpecError:
+                rejected += 1
+            except Exception as exc:  # the target's crash: there is no state to show
+                print(f"kvspec snapshot: {name} crashed at operation {i} ({type(exc).__name__}: "
+                      f"{str(exc)[:200]}); nothing written", file=sys.stderr)
+                return EXIT_FINDING
+            applied += 1
+        if args.at is not None and args.at >= applied:
+            raise ConfigError(f"--at {args.at}: the trace has {applied} operation(s)")
+    try:
+        dump_snapshot(engine.snapshot(), args.out)
+    except OSError as exc:
+        raise ConfigError(f"--out {echo(args.out)}: cannot write the snapshot: {exc.strerror or exc}") from None
+    print(f"{args.out}: snapshot of {name} after {applied} operation(s) ({rejected} rejected), "
+          f"format version {FORMAT_VERSION}")
+    return EXIT_CLEAN
