@@ -7,8 +7,9 @@
 For each trace (found by ``kvspec history --manager offloading`` on some release) and each
 release whose venv exists (``.vllm-venvs/VERSION``, 0.33.0 also ``.vllm-venv``), runs
 ``kvspec replay TRACE --target vllm-offloading@VERSION --json`` in that venv and prints which
-invariant the trace breaks there, or ``clean``: where a finding stops reproducing is where its
-cause was fixed. A release without a venv is shown as ``no venv``. Exit codes: 0 the matrix was
+invariant the trace breaks there, ``clean``, or ``refused`` (the release answered an earlier call
+differently, so the trace makes a call it does not allow): where a finding stops reproducing is
+where its cause was fixed. A release without a venv is shown as ``no venv``. Exit codes: 0 the matrix was
 made, 2 bad arguments, 3 a replay that ended otherwise than clean or finding.
 """
 
@@ -34,6 +35,8 @@ def venv_python(version: str) -> Path | None:
 def replay(python: Path, trace: Path, version: str) -> str:
     proc = subprocess.run([str(python), "-m", "kvspec.cli", "replay", str(trace), "--target",
                            f"vllm-offloading@{version}", "--json"], capture_output=True, text=True, timeout=600)
+    if proc.returncode == 2 and "refused it" in proc.stderr:
+        return "refused"  # the release answered differently earlier, so a later call is not one it allows
     if proc.returncode not in (0, 1):
         tail = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
         print(f"{trace.name} on {version}: replay exited {proc.returncode}: {tail}", file=sys.stderr)

@@ -405,3 +405,32 @@ def test_spec_chapter_9_lists_every_offloading_invariant_and_variant_by_name() -
         assert f"| `{name}` |" in chapter and all(i in bug.oracle for i in
                                                  [ln.split("|")[3].strip() for ln in chapter.splitlines()
                                                   if ln.startswith(f"| `{name}` |")])
+
+
+HISTORY = sorted((Path(__file__).parent / "traces" / "offloading_history").rglob("*.jsonl"))
+
+
+@pytest.mark.parametrize("path", HISTORY, ids=lambda p: f"{p.parent.name}/{p.stem[-14:]}")
+def test_history_findings_have_a_known_cause_and_are_clean_on_the_model(path: Path) -> None:
+    """Findings of `kvspec history --manager offloading` on old releases: each is explained by a
+    known cause of its release, and the model (vLLM 0.33.0's rules) makes no finding on the same
+    calls (it may refuse one: a call the old release's own answers led the generator to make)."""
+    from kvspec.commands._offloading import known_cause
+
+    with path.open() as fh:
+        tr = ofz.read_trace(fh)
+    version = tr.target.partition("@")[2]
+    assert tr.target.startswith("vllm-offloading@") and version == path.parent.name and tr.finding is not None
+    assert known_cause(version, tr.finding["invariant"], tr.config.policy, tr.config.to_json())
+    out = ofz.run(make_offloading_manager, tr.config, tr.ops, tuple(OFFLOADING_CATALOGUE))
+    assert out.finding is None
+
+
+def test_known_causes_end_at_their_fix_and_need_their_configuration() -> None:
+    from kvspec.commands._offloading import known_cause
+
+    assert known_cause("0.29.0", "O6", "arc", {"store_threshold": 1})
+    assert not known_cause("0.31.0", "O6", "arc", {"store_threshold": 1})
+    assert not known_cause("0.29.0", "O6", "lru", {"store_threshold": 1})
+    assert known_cause("0.23.0", "O5", "lru", {"store_threshold": 2})
+    assert not known_cause("0.23.0", "O5", "lru", {"store_threshold": 1})

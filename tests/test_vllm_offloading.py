@@ -144,3 +144,15 @@ def test_a_refused_call_leaves_vllm_unchanged() -> None:
         with pytest.raises(KVSpecError):
             call()
         assert t.snapshot() == before
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent / "traces" / "offloading_history").rglob("*.jsonl")),
+                         ids=lambda p: f"{p.parent.name}/{p.stem[-14:]}")
+def test_history_findings_of_old_releases_are_clean_on_vllm_0_33(path: Path) -> None:
+    """Each finding of `kvspec history --manager offloading` on 0.23.0 or 0.29.0 does not
+    reproduce on 0.33.0: no invariant breaks (0.33.0 may refuse a call earlier, when its answers
+    differ from the old release's; scripts/offloading-history-matrix.py shows which)."""
+    with path.open() as fh:
+        tr = ofz.read_trace(fh)
+    out = ofz.run(_vllm, tr.config, tr.ops, tuple(OFFLOADING_CATALOGUE))
+    assert out.finding is None
