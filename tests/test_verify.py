@@ -18,3 +18,11 @@ def test_verify_json(capsys):
         assert stages[name]["result"] == "pass" and "no finding (oracle: claims of" in stages[name]["detail"]
     vllm = stages["vLLM 0.33.0 vs model/baseline"]
     assert vllm["result"] in ("pass", "skipped") and vllm["detail"]
+    for name in ("offloading: model", "offloading: impl vs model"):
+        assert stages[name]["result"] == "pass" and stages[name]["detail"]
+    from kvspec.model.offloading.bugs import OFFLOADING_BUGS
+
+    n = len(OFFLOADING_BUGS)
+    assert stages["offloading: known bugs"]["result"] == "pass"
+    assert stages["offloading: known bugs"]["detail"].startswith(f"{n}/{n}")
+    assert stages["offloading: vLLM 0.33.0 vs model"]["result"] in ("pass", "skipped")

@@ -17,7 +17,6 @@ Marked ``vllm``; skipped, with the reason, where vLLM 0.33.0 cannot be imported.
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,11 @@ from kvspec.adapters.targets import get_offloading_factory
 from kvspec.contract.errors import ConfigError, KVSpecError
 from kvspec.contract.offloading import OffloadingConfig
 from kvspec.drivers import offloading_fuzz as ofz
-from kvspec.drivers.offloading import Driver, Generator, OffloadingFactory, random_offloading_config
 from kvspec.model.offloading import OffloadingManager, make_offloading_manager
 from kvspec.model.offloading.arc import ARCPolicy
 from kvspec.model.offloading.lru import LRUPolicy
 from kvspec.model.offloading.policy import RequestContext
-from kvspec.oracle.catalogue import OFFLOADING_CATALOGUE, check
+from kvspec.oracle.catalogue import OFFLOADING_CATALOGUE
 
 
 def _available() -> tuple[bool, str]:
@@ -57,38 +55,16 @@ def _vllm(config: OffloadingConfig) -> Any:
     return get_offloading_factory("vllm-offloading")(config)
 
 
-def lockstep(model: OffloadingFactory, traces: int, judge: bool = False) -> tuple[int, int, list[str]]:
-    """(traces, operations, divergences): each divergence names seed, operation and field."""
-    ops = 0
-    diverged: list[str] = []
-    for seed in range(traces):
-        rng = random.Random(seed)
-        cfg = random_offloading_config(rng)
-        gen = Generator(rng)
-        a, b = Driver(model(cfg)), Driver(_vllm(cfg))
-        for i in range(LENGTH):
-            for op in gen.next_ops():
-                ra, rb = a.apply(op), b.apply(op)
-                ops += 1
-                gen.feed(op, ra)
-                sa, sb = a.snapshot(), b.snapshot()
-                if ra != rb or sa != sb:
-                    field = "result" if ra != rb else next(k for k in sa if sa[k] != sb.get(k))
-                    diverged.append(f"seed {seed} op {i} {op['op']}: {field}")
-                    break
-                if judge:
-                    assert check(sb) == [], f"seed {seed} op {i}: vLLM violates {check(sb)[0]}"
-            else:
-                continue
-            break
-    return traces, ops, diverged
-
-
 def test_vllm_offloading_manager_agrees_with_the_model_after_every_operation() -> None:
-    traces, ops, diverged = lockstep(make_offloading_manager, TRACES, judge=True)
-    print(f"\nvllm-offloading lockstep: {traces} traces, {ops} operations, {len(diverged)} divergences")
-    assert diverged == []
-    assert ops > traces * LENGTH * 0.9
+    res = ofz.lockstep(make_offloading_manager, _vllm, budget=1e9, seed=0, max_traces=TRACES, length=LENGTH)
+    print(f"\nvllm-offloading lockstep: {res.traces} traces, {res.ops} operations, divergence: {res.divergence}")
+    assert res.divergence is None
+    assert res.ops > res.traces * LENGTH * 0.9
+
+
+def test_vllm_satisfies_every_offloading_invariant_on_generated_traces() -> None:
+    res = ofz.fuzz(_vllm, budget=20.0, seed=5, oracle=tuple(OFFLOADING_CATALOGUE))
+    assert res.finding is None and res.traces > 20
 
 
 class _LRUTouchUnreversed(LRUPolicy):
@@ -116,8 +92,8 @@ class _AdaptModel(OffloadingManager):
 
 @pytest.mark.parametrize("broken", [_TouchModel, _AdaptModel], ids=["lru-touch-order", "arc-adapt-direction"])
 def test_the_lockstep_catches_a_model_rule_changed_on_purpose(broken: type[OffloadingManager]) -> None:
-    _, _, diverged = lockstep(broken, 300)
-    assert diverged, f"{broken.__name__} was not told apart from vLLM"
+    res = ofz.lockstep(broken, _vllm, budget=1e9, seed=0, max_traces=300)
+    assert res.divergence is not None, f"{broken.__name__} was not told apart from vLLM"
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parent / "traces" / "offloading").glob("*.jsonl")),

@@ -1,9 +1,12 @@
 """``kvspec verify``: the main job on the embedded default configuration.
 
-Runs, in order: the proofs (``kvspec prove``), a conformance campaign
+Runs, in order: the proofs (``kvspec prove``, both managers), a conformance campaign
 (the stateful harness on the model's correct policies, and the implementation
 against the model when it is installed), the known-bug catalogue, and the vLLM
-conformance when vLLM is importable. Prints a summary table (or ``--json``) and
+conformance when vLLM is importable; then the same for the second manager (the
+OffloadingConnector's ``CPUOffloadingManager``): its model fuzzed with O1-O10, its
+implementation and vLLM's own manager (when importable) in lockstep with the model, its
+known-bug variants. Prints a summary table (or ``--json``) and
 exits non-zero on any failure. Ctrl-C stops the stage running (the proofs inside a Z3 check
 too), runs no further stage, prints the rows so far (the stopped stage's says how far it got)
 and exits 130.
@@ -31,7 +34,8 @@ from kvspec.drivers.opgen import RandomChoices, random_config
 from kvspec.model import make_scheduler
 
 NAME = "verify"
-HELP = "the main job: proofs, a conformance campaign, the known-bug catalogue (and vLLM when installed)"
+HELP = ("the main job: proofs, conformance campaigns, the known-bug catalogues (and vLLM when installed), "
+        "for both managers")
 EPILOG = exit_codes("every stage passed or was skipped with a reason", "a stage failed")
 
 
@@ -131,6 +135,47 @@ def _vllm(budget: float, seed: int) -> tuple[bool | None, str]:
     return _campaign("baseline", "vllm", True, budget, seed)
 
 
+def _offloading_campaign(target: str, budget: float, seed: int) -> tuple[bool | None, str]:
+    """The second manager: ``target`` in lockstep with its model (``offloading-impl``,
+    ``vllm-offloading``: results and snapshots after every call), or the model fuzzed with every
+    O-invariant (``offloading``); skipped when the target is not available here."""
+    from kvspec.adapters.targets import get_offloading_factory
+    from kvspec.drivers import offloading_fuzz as ofz
+    from kvspec.oracle.catalogue import OFFLOADING_CATALOGUE
+
+    try:
+        factory = get_offloading_factory(target)
+        if target == "vllm-offloading":
+            from kvspec.contract.offloading import OffloadingConfig
+
+            factory(OffloadingConfig())
+    except ConfigError as exc:
+        return None, f"{target} is not available ({exc})"
+    model = get_offloading_factory("offloading")
+    if target == "offloading":
+        res = ofz.fuzz(model, budget, seed, tuple(OFFLOADING_CATALOGUE))
+        if res.finding is not None:
+            return False, f"{res.traces} traces; {res.finding.kind}: {res.finding.message}"
+        return True, f"{res.traces} traces, {res.ops} operations, no finding (oracle: O1-O10)"
+    lock = ofz.lockstep(model, factory, budget, seed)
+    if lock.divergence is not None:
+        return False, f"{lock.traces} traces; diverges at {lock.divergence}"
+    return True, f"{lock.traces} traces, {lock.ops} operations, equal to the model after each"
+
+
+def _offloading_bugs(budget: float) -> tuple[bool, str]:
+    """Each of the second manager's known-bug variants found by its own oracle alone."""
+    from kvspec.drivers import offloading_fuzz as ofz
+    from kvspec.model.offloading.bugs import OFFLOADING_BUGS
+
+    missed = [name for name, bug in OFFLOADING_BUGS.items()
+              if (res := ofz.fuzz(bug.manager, budget, 1, bug.oracle, bug.policy)).finding is None
+              or res.finding.kind != "violation"]
+    n = len(OFFLOADING_BUGS)
+    return not missed, f"{n - len(missed)}/{n} known bugs found as violations" + (
+        f"; missed {', '.join(missed)}" if missed else "")
+
+
 def stages(budget: float, bug_budget: float, seed: int) -> list[Stage]:
     """The stages in order, with their shares of the campaign budget."""
     share = budget / 3
@@ -141,6 +186,11 @@ def stages(budget: float, bug_budget: float, seed: int) -> list[Stage]:
             for p in ("baseline", "signal-rescan", "repair")]
     out += [Stage("known-bug catalogue", _known_bugs, (bug_budget,)),
             Stage("vLLM 0.33.0 vs model/baseline", _vllm, (share, seed))]
+    out += [Stage("offloading: model", _offloading_campaign, ("offloading", share / 6, seed)),
+            Stage("offloading: impl vs model", _offloading_campaign, ("offloading-impl", share / 6, seed)),
+            Stage("offloading: known bugs", _offloading_bugs, (bug_budget,)),
+            Stage("offloading: vLLM 0.33.0 vs model", _offloading_campaign,
+                  ("vllm-offloading", share / 3, seed))]
     return out
 
 

@@ -227,3 +227,37 @@ def read_trace(fh: TextIO) -> OffloadingTrace:
     if finding is not None and not (isinstance(finding.get("op_index"), int) and 0 <= finding["op_index"] < len(ops)):
         raise TraceError(n, f"finding.op_index: not an operation of this {len(ops)}-operation trace")
     return OffloadingTrace(config, target, tuple(oracle), finding, ops)
+
+
+@dataclass
+class LockstepResult:
+    traces: int = 0
+    ops: int = 0
+    divergence: str | None = None  # "seed S operation I kind: field" of the first divergence
+
+
+def lockstep(reference: OffloadingFactory, target: OffloadingFactory, budget: float, seed: int,
+             max_traces: int | None = None, length: int = 100) -> LockstepResult:
+    """The same generated calls on both targets (the generator fed by ``reference``'s answers):
+    results and whole snapshots compared after every operation, for ``budget`` seconds or
+    ``max_traces`` traces; stops at the first divergence."""
+    res = LockstepResult()
+    end = time.monotonic() + budget
+    while time.monotonic() < end and (max_traces is None or res.traces < max_traces):
+        trace_seed = seed * 1_000_003 + res.traces
+        rng = random.Random(trace_seed)
+        cfg = random_offloading_config(rng)
+        gen = Generator(rng)
+        a, b = Driver(reference(cfg)), Driver(target(cfg))
+        res.traces += 1
+        for i in range(length):
+            for op in gen.next_ops():
+                ra, rb = a.apply(op), b.apply(op)
+                res.ops += 1
+                gen.feed(op, ra)
+                sa, sb = a.snapshot(), b.snapshot()
+                if ra != rb or sa != sb:
+                    where = "result" if ra != rb else next(k for k in sa if sa[k] != sb.get(k))
+                    res.divergence = f"trace seed {trace_seed} operation {i} {op['op']}: {where}"
+                    return res
+    return res
