@@ -434,3 +434,14 @@ def test_known_causes_end_at_their_fix_and_need_their_configuration() -> None:
     assert not known_cause("0.29.0", "O6", "lru", {"store_threshold": 1})
     assert known_cause("0.23.0", "O5", "lru", {"store_threshold": 2})
     assert not known_cause("0.23.0", "O5", "lru", {"store_threshold": 1})
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("--workers", "2"), "one after another"),
+    (("--versions", "0.19.1"), "predates request contexts"),
+    (("--versions", "0.30.7"), "no venv for vLLM 0.30.7"),
+    (("--raw",), "--raw is not available"),
+])
+def test_cli_history_of_the_offloading_manager_refuses_what_it_cannot_do(args: tuple[str, ...], says: str) -> None:
+    r = _kvspec("history", "--manager", "offloading", "--budget", "1", *args)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr

@@ -244,6 +244,8 @@ def history(args: argparse.Namespace) -> int:
 
     if args.raw or args.worker is not None:
         raise ConfigError("--raw is not available with --manager offloading")
+    if args.workers not in (None, 1):
+        raise ConfigError("--workers: history --manager offloading fuzzes the releases one after another")
     versions = [v.strip() for v in (args.versions or ",".join(OFFLOADING_RELEASES)).split(",") if v.strip()]
     for v in versions:
         compat.parse_release(v)
