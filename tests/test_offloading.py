@@ -24,6 +24,7 @@ from kvspec.drivers import offloading_fuzz as ofz
 from kvspec.drivers.offloading import Driver, Generator, random_offloading_config
 from kvspec.model.offloading import OffloadingManager, make_offloading_manager
 from kvspec.model.offloading.bugs import OFFLOADING_BUGS
+from kvspec.model.offloading.lru import LRUPolicy
 from kvspec.oracle.catalogue import CONNECTOR_INVARIANTS, OFFLOADING_CATALOGUE, check
 
 TRACES = Path(__file__).parent / "traces" / "offloading"
@@ -445,3 +446,27 @@ def test_known_causes_end_at_their_fix_and_need_their_configuration() -> None:
 def test_cli_history_of_the_offloading_manager_refuses_what_it_cannot_do(args: tuple[str, ...], says: str) -> None:
     r = _kvspec("history", "--manager", "offloading", "--budget", "1", *args)
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
+
+
+def test_arc_b2_ghost_hit_lowers_the_target_by_at_least_one() -> None:
+    from kvspec.model.offloading.arc import ARCPolicy
+    from kvspec.model.offloading.policy import RequestContext
+
+    arc = ARCPolicy(4)
+    arc.target, arc.b2 = 3.0, {_k(1): None, _k(2): None}
+    arc.on_store_miss([_k(1)], RequestContext("r"))  # |B1| / |B2| = 0: the step is max(1, 0) = 1
+    assert arc.target == 2.0 and list(arc.b2) == [_k(2), _k(1)]
+    arc.b1 = {_k(3): None}
+    arc.on_store_miss([_k(3)], RequestContext("r"))  # |B2| / |B1| = 2
+    assert arc.target == 4.0
+
+
+def test_lru_self_check_refuses_a_rank_above_the_counter() -> None:
+    m = _manager(n=2)
+    _stored(m, [_k(0)])
+    m._check()
+    lru = m.policy
+    assert isinstance(lru, LRUPolicy)
+    lru.ranks[_k(0)] = (lru.next_rank + 1, 0)
+    with pytest.raises(AssertionError):
+        m._check()

@@ -55,12 +55,11 @@ class LRUPolicy:
 
     def insert(self, key: OffloadKey, chunk: Chunk, ctx: RequestContext) -> None:
         """A new chunk: ranked ``(request rank, -position)`` when the request declared the
-        key's position, else most recent. O(1)."""
+        key's position, else most recent. A new chunk is being stored, so not evictable (vLLM's
+        insert would add a chunk inserted ready; the manager never inserts one). O(1)."""
         self.chunks[key] = chunk
         position = ctx.positions.get(key)
         self.ranks[key] = self._fresh_rank() if position is None else (self._request_rank(ctx), -position)
-        if chunk.ref_cnt == 0:
-            self.evictable.add(key)
 
     def remove(self, key: OffloadKey) -> None:
         del self.chunks[key]
