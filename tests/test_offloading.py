@@ -470,3 +470,12 @@ def test_lru_self_check_refuses_a_rank_above_the_counter() -> None:
     lru.ranks[_k(0)] = (lru.next_rank + 1, 0)
     with pytest.raises(AssertionError):
         m._check()
+
+
+def test_arc_self_check_refuses_either_ghost_list_over_capacity() -> None:
+    for ghost in ("b1", "b2"):
+        m = _manager("arc", n=1)
+        m._check()
+        setattr(m.policy, ghost, {_k(7): None, _k(8): None})
+        with pytest.raises(AssertionError):
+            m._check()
