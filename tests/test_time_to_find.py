@@ -108,3 +108,23 @@ def test_history_aggregates_each_finding_over_the_seeds_of_its_release(capsys: p
     assert "median ops" in out and " 3/3 " in out and " 2/3 " in out and "nothing found" in out
     only_one = history.aggregate([runs[1], runs[3]], 1)
     assert [(r["finding"].split(":")[0], r["median_seconds"]) for r in only_one] == [("C1", 3.0)]
+
+
+def test_the_script_prints_the_table_the_readme_quotes(tmp_path: Path) -> None:
+    """``scripts/time_to_find.py`` hunts in a fresh process of this tree and prints one row per bug."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "time_to_find.py"
+    out = tmp_path / "ttf.json"
+    done = subprocess.run([sys.executable, str(script), "--seeds", "2", "--budget", "10", "--only",
+                           "stamped-unregistered,unconfirmed-store", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[:4] == ["bug", "found", "median", "s"]
+    assert [ln.split()[0] for ln in lines[1:3]] == ["stamped-unregistered", "unconfirmed-store"]
+    assert all(ln.split()[1] == "2/2" for ln in lines[1:3]) and lines[-1].startswith("slowest median")
+    medians = json.loads(out.read_text())["medians"]
+    assert medians["stamped-unregistered"]["found_seeds"] == 2
+    assert [p["seed"] for p in medians["stamped-unregistered"]["per_seed"]] == [1, 2]
