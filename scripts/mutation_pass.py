@@ -1,7 +1,7 @@
 """A mutation pass over source files: every small operator change, one at a time, against chosen tests.
 
     python scripts/mutation_pass.py FILE [FILE ...] --tests "tests/a.py tests/b.py" [--slow "tests/c.py"]
-        [--lines A-B] [--timeout 300] [--json OUT]
+        [--lines A-B] [--timeout 300] [--json OUT] [--marker EXPR]
 
 For each file (a path in this repository, e.g. ``model/baseline.py``) the source is read as
 tokens, so docstrings, comments and strings are never touched, and every token below gets one
@@ -15,7 +15,9 @@ once, the file restored after each mutant) and judged by ``pytest -x -q`` on ``-
 fails is a *survivor*: either the tests miss a behaviour, or the mutant is equivalent (same
 behaviour in every reachable state), which only reading it can tell. A run past ``--timeout``
 counts as caught and is listed apart. Prints one line per survivor and a summary; ``--json``
-writes every mutant's result. Exit 1 when something survived. Cost: one pytest run (two for a
+writes every mutant's result. ``--marker EXPR`` selects the tests by marker (pytest's ``-m``; the
+default is pyproject's, ``not slow and not deep``: the default run; ``"not slow"`` adds the deep
+tests, as the whole suite before the deep marker was). Exit 1 when something survived. Cost: one pytest run (two for a
 survivor of the fast tier) per mutant.
 """
 
@@ -83,13 +85,15 @@ def mutants(path: Path, lines: tuple[int, int] | None) -> list[tuple[Mutant, str
     return out
 
 
-def run_tests(root: Path, tests: list[str], timeout: float) -> tuple[str, float]:
-    """('failed' | 'passed' | 'timeout', seconds) of ``pytest -x -q tests`` in the copy at ``root``."""
+def run_tests(root: Path, tests: list[str], timeout: float, marker: str | None = None) -> tuple[str, float]:
+    """('failed' | 'passed' | 'timeout', seconds) of ``pytest -x -q tests`` in the copy at ``root``
+    (``-m marker`` when given)."""
     from kvspec.specs.mutations import scratch_env
 
     t0 = time.monotonic()
+    select = ["-m", marker] if marker is not None else []
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *select, *tests],
                               cwd=root, env=scratch_env(root), capture_output=True, timeout=timeout)
         verdict = "passed" if proc.returncode == 0 else "failed"
     except subprocess.TimeoutExpired:
@@ -105,6 +109,8 @@ def main() -> int:
     p.add_argument("--lines", default=None, metavar="A-B", help="only tokens on these lines (one file)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per pytest run (default 300)")
     p.add_argument("--json", default=None, metavar="OUT", help="write every mutant's result as JSON")
+    p.add_argument("--marker", default=None, metavar="EXPR",
+                   help="pytest -m expression for every run (default: pyproject's, the default run)")
     a = p.parse_args()
     from kvspec.specs.mutations import scratch_copy
 
@@ -116,7 +122,7 @@ def main() -> int:
     results: list[Mutant] = []
     with tempfile.TemporaryDirectory(prefix="kvspec-mutation-pass-") as tmp:
         root = scratch_copy(ROOT, Path(tmp))
-        clean, _ = run_tests(root, fast + slow, a.timeout * 2)
+        clean, _ = run_tests(root, fast + slow, a.timeout * 2, a.marker)
         if clean != "passed":
             raise SystemExit(f"the unmutated copy does not pass {' '.join(fast + slow)}: {clean}")
         for name in a.files:
@@ -128,10 +134,10 @@ def main() -> int:
             try:
                 for n, (m, mutated) in enumerate(todo, 1):
                     target.write_text(mutated)
-                    verdict, secs = run_tests(root, fast, a.timeout)
+                    verdict, secs = run_tests(root, fast, a.timeout, a.marker)
                     m.verdict = {"failed": "caught", "timeout": "timeout"}.get(verdict, "")
                     if verdict == "passed":
-                        verdict, more = run_tests(root, slow, a.timeout) if slow else ("passed", 0.0)
+                        verdict, more = run_tests(root, slow, a.timeout, a.marker) if slow else ("passed", 0.0)
                         secs += more
                         m.verdict = {"failed": "caught (slow)", "timeout": "timeout"}.get(verdict, "survived")
                     m.seconds = round(secs, 1)

@@ -227,9 +227,16 @@ def apply(root: Path, m: Mutation) -> None:
 def scratch_copy(repo: Path, dest: Path) -> Path:
     """The repository's tracked and untracked-not-ignored files copied under ``dest``, with
     ``kvspec/{model,impl,specs}`` linked to the top-level directories (the installed layout), so
-    that ``PYTHONPATH=dest`` imports the copy. O(files)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
-                            check=True, capture_output=True).stdout.decode().split("\0")
+    that ``PYTHONPATH=dest`` imports the copy. A ``repo`` that is not a git checkout (a scratch
+    copy itself, as in a mutation pass whose tests make scratch copies) is copied whole, but for
+    virtual environments and byte-code caches. O(files)."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
+                                check=True, capture_output=True).stdout.decode().split("\0")
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        shutil.copytree(repo, dest, symlinks=True, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(".git", ".venv*", ".vllm-*", "__pycache__", "*.pyc"))
+        return installed_layout(dest)
     for rel in filter(None, listed):
         src = repo / rel
         if src.is_file():

@@ -81,6 +81,7 @@ def test_help_gives_every_default() -> None:
             assert action.help and "default" in action.help, action.option_strings
 
 
+@pytest.mark.deep  # exports a tree and measures both in fresh processes
 def test_fuzz_throughput_script_compares_two_trees() -> None:
     """``scripts/bench_fuzz.py --against REV`` measures REV's exported tree (it checks where each
     round imported kvspec from) and this one, and prints both rates and their paired ratio. Only

@@ -4,7 +4,8 @@ are outlined in the highlight colour (read back from screenshot pixels), the pag
 error or exception and fetches nothing but itself.
 
 Without Chromium every test here is skipped with a loud reason (also raised as a warning, so the
-skip shows in pytest's summary even without ``-rs``); ``.ci/run`` installs it when it can.
+skip shows in pytest's summary even without ``-rs``); ``.ci/run`` installs it when it can. Every
+test here is marked ``deep`` (a browser start per page): ``.ci/run`` runs them in its deep step.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from kvspec.report.browser import Browser, Image, PageLoad, decode_png, find_chr
 from kvspec.report.narrate import Narration, narrate
 from kvspec.report.positions import LOST
 from kvspec.report.svg import CELL_FILL, HIGHLIGHT
+
+pytestmark = pytest.mark.deep
 
 TRACES = Path(__file__).resolve().parent / "traces"
 SHIPPED = sorted(p.stem for p in TRACES.glob("*.jsonl"))

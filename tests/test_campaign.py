@@ -93,6 +93,7 @@ def test_ray_addresses_are_checked_before_any_work(monkeypatch: pytest.MonkeyPat
         check_ray("auto")
 
 
+@pytest.mark.deep  # two hunts of two bugs, the second in two spawned workers
 def test_bug_hunt_rows_do_not_depend_on_the_number_of_workers(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bugs", "--only", "stale-cursor,pin-leak", "--budget", "10", "--json"]
     assert main(argv) == 0
@@ -114,6 +115,7 @@ def _free_port() -> int:
 NETNS_ENV = "KVSPEC_RAY_NETNS"  # set by the confining test for the run it starts inside the namespace
 
 
+@pytest.mark.deep  # starts a Ray cluster inside a new network namespace
 def test_the_ray_tests_run_confined_to_loopback() -> None:
     """The tests that need a Ray cluster, run by a pytest started in a new network namespace (a
     user namespace maps this user to root in it) whose only interface, loopback, is brought up
@@ -187,13 +189,16 @@ def test_a_campaign_runs_as_ray_tasks_and_reports_on_the_driver(
     assert [r["bug"] for r in rows] == ["stale-cursor", "pin-leak"] and all(r["found"] for r in rows)
 
 
-def test_a_resumed_campaign_goes_on_where_it_stopped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.deep)])
+def test_a_resumed_campaign_goes_on_where_it_stopped(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     workers: str) -> None:
     """Two resumed runs draw the traces one run twice as long would: the second one's traces are new,
-    not the first one's again (each worker's generator state is kept in --out)."""
+    not the first one's again (each worker's generator state is kept in --out). One worker in the
+    default run, two (spawned processes) in the deep one."""
     from kvspec.drivers.harness import fuzz
     from kvspec.model import make_scheduler
 
-    argv = ["fuzz", "--target", "model", "--budget", "1", "--workers", "2", "--out", str(tmp_path), "--json"]
+    argv = ["fuzz", "--target", "model", "--budget", "1", "--workers", workers, "--out", str(tmp_path), "--json"]
     assert main(argv) == 0
     first = json.loads(capsys.readouterr().out)
     assert not first["campaign"]["resumed"] and Path(first["campaign"]["state"]).exists()

@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 IGNORED = shutil.ignore_patterns(".venv", ".vllm-venv", ".git", "*.egg-info", "build", "dist", "__pycache__",
                                  ".hypothesis", "out", ".pytest_cache", ".ruff_cache")
@@ -29,6 +31,7 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.deep  # builds a wheel and a venv: seconds of CPU for one packaging check
 def test_fresh_venv_imports_kvspec_model_not_model(tmp_path: Path) -> None:
     src, wheels, venv, elsewhere = (tmp_path / d for d in ("src", "wheels", "venv", "elsewhere"))
     shutil.copytree(ROOT, src, ignore=IGNORED)

@@ -95,8 +95,9 @@ def test_a_lying_policy_is_still_caught(cls: type[RepairPolicy], inv: str) -> No
     assert {v.id for v in check(engine.snapshot(), [inv])} == {inv}  # found by the catalogue (once or more)
 
 
-def test_the_correct_policy_passes_the_observed_checks() -> None:
-    res = fuzz(_factory(RepairPolicy, OffloadScheduler), "repair", 10.0, 7, oracle="C3,C5,C6")
+@pytest.mark.parametrize("seconds", [3.0, pytest.param(10.0, marks=pytest.mark.deep)], ids=["3s", "10s"])
+def test_the_correct_policy_passes_the_observed_checks(seconds: float) -> None:
+    res = fuzz(_factory(RepairPolicy, OffloadScheduler), "repair", seconds, 7, oracle="C3,C5,C6")
     assert not res.found, res.outcome.describe() if res.outcome else ""
     assert res.rare["re-store"] > 0 and res.rare["eviction under a live cursor"] > 0
 

@@ -61,6 +61,7 @@ from kvspec.specs.concrete import (
 )
 
 POLICIES = ("baseline", "signal-rescan", "repair")
+DEEP = pytest.mark.deep  # the larger bounds: .ci/run's deep step
 
 
 def _same(policy: str, a: Outcome, b: Outcome) -> bool:
@@ -96,6 +97,7 @@ def test_every_small_state_all_kinds(policy: str) -> None:
     assert bad == [], "\n".join(bad[:5])
 
 
+@DEEP  # the states of up to two positions are all in test_every_small_state_all_kinds
 @pytest.mark.parametrize("policy", POLICIES)
 def test_every_state_of_three_positions(policy: str) -> None:
     states = (s for s in _states(3, KINDS, range(2), False, policy) if len(s.groups[0]) == 3)
@@ -105,17 +107,21 @@ def test_every_state_of_three_positions(policy: str) -> None:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_every_scan_shape_up_to_five(policy: str) -> None:
-    n, bad = _mismatches(policy, _states(5, (UNHASHED, OWNED, OWNED_CACHED), range(2), False, policy))
-    assert n >= 3800
+@pytest.mark.parametrize("n_max, least", [(4, 1000), pytest.param(5, 3800, marks=DEEP)], ids=["n4", "n5"])
+def test_every_scan_shape_up_to_five(policy: str, n_max: int, least: int) -> None:
+    """Every scan shape of up to five positions (the default run: up to four; five is ``deep``)."""
+    n, bad = _mismatches(policy, _states(n_max, (UNHASHED, OWNED, OWNED_CACHED), range(2), False, policy))
+    assert n >= least
     assert bad == [], "\n".join(bad[:5])
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_every_state_with_retained_copies(policy: str) -> None:
+@pytest.mark.parametrize("n_max, least", [(2, 200), pytest.param(3, 1000, marks=DEEP)], ids=["n2", "n3"])
+def test_every_state_with_retained_copies(policy: str, n_max: int, least: int) -> None:
+    """Retained copies among the kinds, up to two positions (three in the ``deep`` run)."""
     kinds = (NULL, FOREIGN, OWNED, OWNED_CACHED, KEPT, KEPT_CACHED)
-    n, bad = _mismatches(policy, _states(3, kinds, range(2), False, policy))
-    assert n >= 1000
+    n, bad = _mismatches(policy, _states(n_max, kinds, range(2), False, policy))
+    assert n >= least
     assert bad == [], "\n".join(bad[:5])
 
 
@@ -169,12 +175,15 @@ def _with_lost(p: Pos) -> Pos:
     return Pos(p.hashed, p.owned, p.cached, p.cfree, p.infl, lost=True, reg=p.owned and p.hashed)
 
 
-def test_repair_phase_every_small_state() -> None:
+@pytest.mark.parametrize("sizes, least", [(range(3), 100), pytest.param(range(3, 4), 400, marks=DEEP)],
+                         ids=["n0-2", "n3"])
+def test_repair_phase_every_small_state(sizes: range, least: int) -> None:
     """Not scheduled (H1): the records alone drive the re-stores. With spare room every
     pending, owned, uncovered record is re-stored and the rest dropped (the unique Z3
-    successor); with no room the model's outcome is one the Z3 relation admits."""
+    successor); with no room the model's outcome is one the Z3 relation admits. Up to two
+    positions in the default run, three in the ``deep`` one."""
     n = 0
-    for size in range(4):
+    for size in sizes:
         for ks in itertools.product((*[_with_lost(k) for k in _LOST_KINDS], OWNED), repeat=size):
             ps = list(ks)
             for cur in range(size + 1):
@@ -189,7 +198,7 @@ def test_repair_phase_every_small_state() -> None:
                     else:
                         assert repair_phase_admits(s, False, m), f"{s}: model {m}"
                     n += 1
-    assert n > 500
+    assert n > least
 
 
 # -- eviction ------------------------------------------------------------------------------------
@@ -203,12 +212,14 @@ _EVICT_KINDS = (
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_eviction_every_small_state(policy: str) -> None:
-    """Every allocation size on every state of N <= 3 positions: the keys that leave the CPU
-    determine, in Z3 and in the model alike, the new lost records (repair: exactly the
-    indexed owners below the cursor) and the flag (signal-rescan: set iff something left)."""
+@pytest.mark.parametrize("sizes, least", [(range(3), 60), pytest.param(range(3, 4), 250, marks=DEEP)],
+                         ids=["n0-2", "n3"])
+def test_eviction_every_small_state(policy: str, sizes: range, least: int) -> None:
+    """Every allocation size on every state of N <= 3 positions (N = 3 is ``deep``): the keys that
+    leave the CPU determine, in Z3 and in the model alike, the new lost records (repair: exactly
+    the indexed owners below the cursor) and the flag (signal-rescan: set iff something left)."""
     n = 0
-    for size in range(4):
+    for size in sizes:
         for ks in itertools.product(_EVICT_KINDS, repeat=size):
             for cur in range(size + 1):
                 s = Small([list(ks)], [cur], size, 1)
@@ -217,7 +228,7 @@ def test_eviction_every_small_state(policy: str) -> None:
                     admitted, forced = evict_agrees(policy, s, got)
                     assert admitted and forced, f"{policy} {s} alloc {k}: model {got}"
                     n += 1
-    assert n > 300
+    assert n > least
 
 
 # -- bookkeeping: preemption, full table, finish, reset ------------------------------------------
@@ -229,9 +240,19 @@ _BOOK_KINDS = (NULL, OWNED, OWNED_INFL, _with_lost(OWNED), _with_lost(OWNED_CACH
 @pytest.mark.parametrize("what", ["preempt", "full-table", "finish", "reset"])
 def test_bookkeeping_every_small_state(policy: str, what: str) -> None:
     """The model's preemption (ids and cursors to 0, repair drops the records), full table
-    (ids replaced, cursors kept), finish and reset land where the Z3 transition allows."""
+    (ids replaced, cursors kept), finish and reset land where the Z3 transition allows, on every
+    state of up to two positions (repair's full table on three: ``deep``, below)."""
+    _bookkeeping(policy, what, range(3), 80)
+
+
+@DEEP
+def test_repair_full_table_every_state_of_three_positions() -> None:
+    _bookkeeping("repair", "full-table", range(3, 4), 80)
+
+
+def _bookkeeping(policy: str, what: str, sizes: range, least: int) -> None:
     n = 0
-    for size in range(4 if policy == "repair" and what == "full-table" else 3):
+    for size in sizes:
         for ks in itertools.product(_BOOK_KINDS, repeat=size):
             ps = [k if policy == "repair" else Pos(k.hashed, k.owned, k.cached, k.cfree, k.infl) for k in ks]
             for cur in range(size + 1):
@@ -239,4 +260,4 @@ def test_bookkeeping_every_small_state(policy: str, what: str) -> None:
                 got = model_bookkeeping(policy, s, what, extra=1)
                 assert bookkeeping_agrees(policy, s, what, got), f"{policy} {what} {s}: model {got}"
                 n += 1
-    assert n > 80
+    assert n > least

@@ -17,6 +17,7 @@ def test_the_key_level_invariant_and_c3_hold() -> None:
     assert _results() == {"keylevel:inductive": "holds", "keylevel:no-amplification": "holds"}
 
 
+@pytest.mark.deep  # one inductive check of the mutated encoding: about 35 s
 def test_only_the_first_owner_getting_a_record_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kl, "FIRST_OWNER_ONLY", True)
     (ob,) = [ob for ob in keylevel_obligations() if ob.name == "keylevel:inductive"]

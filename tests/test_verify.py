@@ -1,11 +1,16 @@
-"""``kvspec verify`` end to end with a small budget: every stage runs or says why not."""
+"""``kvspec verify`` end to end with a small budget: every stage runs or says why not. Marked
+``deep`` (it runs every proof, every known-bug hunt and three campaigns, about 40 s on two cores;
+each stage's own parts are tested in the default run)."""
 
 import json
+
+import pytest
 
 from kvspec.cli import main
 from kvspec.model.bugs import BUGS
 
 
+@pytest.mark.deep
 def test_verify_json(capsys):
     rc = main(["verify", "--budget", "6", "--bug-budget", "10", "--json"])
     res = json.loads(capsys.readouterr().out)

@@ -97,15 +97,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=None, metavar="WORD,WORD",
                    help="draw only configurations with these features, to aim a campaign at a rare class: "
                         f"{', '.join(CONFIG_WORDS)} (a sliding-window group or none, async or synchronous "
-                        "scheduling, speculative decoding or none; default: all drawn, a sliding-window group "
-                        "3 times in 10, synchronous scheduling and speculative decoding each 1 time in 4)")
+                        "scheduling, speculative decoding or none; default: all drawn, each half the time; with "
+                        "--no-swarm a sliding-window group 3 times in 10, synchronous scheduling and speculative "
+                        "decoding each 1 time in 4)")
+    p.add_argument("--no-swarm", dest="swarm", action="store_false",
+                   help="draw every trace from one fixed mix of operations and configuration features (default: "
+                        "swarm testing, each trace with its own mix: kvspec.drivers.opgen.swarm_mix)")
     p.add_argument("--raw", action="store_true",
                    help="real vLLM only: calls the model would refuse reach vLLM (target raw:vllm, raw:vllm@VERSION)")
     p.add_argument("--out", default="fuzz-out",
                    help="directory for finding traces and the campaign's state file (default fuzz-out)")
     p.add_argument("--resume", action="store_true",
-                   help="go on where the last campaign with the same target, policy, oracle, configs, seed and "
-                        "workers stopped (each worker's generator state, kept in --out); default: start afresh")
+                   help="go on where the last campaign with the same target, policy, oracle, configs, swarm, "
+                        "seed and workers stopped (each worker's generator state, kept in --out); default: start "
+                        "afresh")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -136,6 +141,7 @@ class Job:
     resume: dict[int, list[Any]] = field(default_factory=dict)  # seed -> generator state to go on from
     refine: bool = False  # the refinement check (R1) after every accepted operation
     pins: ConfigPins = NO_PINS  # --configs: features every drawn configuration has
+    swarm: bool = True  # swarm testing (--no-swarm: False)
 
 
 PROGRESS_EVERY_S = 10.0  # progress lines of a run whose stderr is not a terminal
@@ -173,7 +179,8 @@ def fuzz_one(job: Job, seed: int) -> WorkerResult:
             print(line, file=sys.stderr)
 
     done.result = fuzz(factory, job.policy, job.budget, seed, job.oracle, job.target, progress=progress,
-                       bug=bug, on_finding=keep, refine=job.refine, resume=job.resume.get(seed), pins=job.pins)
+                       bug=bug, on_finding=keep, refine=job.refine, resume=job.resume.get(seed), pins=job.pins,
+                       swarm=job.swarm)
     return done
 
 
@@ -218,10 +225,11 @@ def run(args: argparse.Namespace) -> int:
     check_writable(args.out)
     quiet = args.json or workers > 1 or ray is not None
     state = CampaignState.at(Path(args.out), args.target, policy, _oracle_label(args.oracle), args.seed, workers,
-                             pins)
+                             pins, args.swarm)
     if args.resume:
         state.load()
-    job = Job(args.target, policy, args.budget, args.oracle, str(args.out), quiet, state.states, args.refine, pins)
+    job = Job(args.target, policy, args.budget, args.oracle, str(args.out), quiet, state.states, args.refine, pins,
+              args.swarm)
     start = time.monotonic()
     if (workers > 1 or ray is not None) and not args.json:
         where = f" as Ray tasks on {ray}" if ray else ""
@@ -272,8 +280,9 @@ class CampaignState:
 
     @classmethod
     def at(cls, out: Path, target: str, policy: str, oracle: str, seed: int, workers: int,
-           pins: ConfigPins = NO_PINS) -> CampaignState:
+           pins: ConfigPins = NO_PINS, swarm: bool = True) -> CampaignState:
         configs = ["configs-" + "+".join(pins.words())] if pins.words() else []
+        configs += [] if swarm else ["noswarm"]  # a fixed-mix campaign's generator states are its own
         name = "-".join(_slug(x) for x in (target, policy, oracle, *configs, f"seed{seed}", f"workers{workers}"))
         return cls(out / f"campaign-{name}.json")
 
@@ -318,7 +327,8 @@ def report(args: argparse.Namespace, results: list[WorkerResult], policy: str, w
     interrupted = interrupted or any(w.result.interrupted for w in results)
     found = any(w.result.found for w in results)
     out: dict[str, Any] = {
-        "target": args.target, "policy": policy, "oracle": res.oracle, "configs": pins.words(), "found": found,
+        "target": args.target, "policy": policy, "oracle": res.oracle, "configs": pins.words(),
+        "swarm": args.swarm, "found": found,
         "kind": res.kind, "interrupted": interrupted, "seconds": round(wall if len(results) > 1 else res.seconds, 3),
         "traces": sum(w.result.traces for w in results), "ops": ops, "ops_per_second": round(rate, 1),
         "rejected": rejected, "rare_paths": rare, "replays": replays,

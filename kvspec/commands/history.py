@@ -19,12 +19,14 @@ judged there: what vLLM then does is the finding (violation or crash); if the in
 the row's kind is *divergence* (the model's rule is stricter than vLLM, not a vLLM bug).
 ``--raw`` runs the whole search on the raw target.
 
-The table: release x finding, with the seconds into the release's search at which it was found,
-the shrunk trace's length and the public vLLM issues whose cause, verified in the releases' code,
-is in that release and shows as that invariant or exception (``KNOWN``; several are joined by
-"or", and ``scripts/vllm-history-matrix.py`` tells them apart by where each kept trace stops
-failing). Progress goes to stderr. Exit codes: 0 nothing found, 1 findings,
-2 bad arguments or a missing venv, 3 internal error.
+The table: release x finding, with the seconds of searching (shrinking the earlier findings left
+out) and the operations applied until it was found (with ``--seeds K``: the medians over K
+searches with seeds ``seed .. seed+K-1``, a search that did not make it counting as longer than
+any that did: ``kvspec.drivers.findtime``), the shrunk trace's length and the public vLLM issues
+whose cause, verified in the releases' code, is in that release and shows as that invariant or
+exception (``KNOWN``; several are joined by "or", and ``scripts/vllm-history-matrix.py`` tells
+them apart by where each kept trace stops failing). Progress goes to stderr. Exit codes: 0
+nothing found, 1 findings, 2 bad arguments or a missing venv, 3 internal error.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,10 +45,12 @@ from typing import Any
 
 from kvspec.adapters import vllm_compat as compat
 from kvspec.adapters.targets import raw_target
+from kvspec.commands.bugs import seed_count
 from kvspec.commands.fuzz import add_workers_argument, budget_seconds
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, exit_codes
 from kvspec.drivers.campaign import check_workers, single_threaded
+from kvspec.drivers.findtime import Sample, describe, time_to_find
 
 NAME = "history"
 HELP = "fuzz each real vLLM release with the invariants as the only oracle; table of findings"
@@ -119,6 +124,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "0.23.0,0.29.0,0.31.0,0.33.0)")
     p.add_argument("--budget", type=budget_seconds, default=300.0, help="seconds of search per release (default 300)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=seed_count, default=1,
+                   help="searches per release, seeds SEED..SEED+K-1; the table gives medians (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON row per finding")
     p.add_argument("--out", default="fuzz-out/history",
                    help="directory for the shrunk traces (default fuzz-out/history)")
@@ -147,37 +154,71 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("no venv for vLLM " + ", ".join(missing) + "; build each with "
                           "scripts/setup-vllm-release.sh VERSION")
     workers = check_workers(args.workers)
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(versions)))) as pool:  # each thread waits on a process
-        rows = [row for found in pool.map(lambda v: _run_release(v, args), versions) for row in found]
-    _print(rows, versions, args.json)
+    jobs = [(v, args.seed + k) for v in versions for k in range(args.seeds)]
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:  # each thread waits on a process
+        runs = list(pool.map(lambda job: _run_release(job[0], job[1], args), jobs))
+    rows = aggregate(runs, args.seeds)
+    _print(rows, versions, args.json, args.budget)
     return EXIT_FINDING if rows else EXIT_CLEAN
 
 
-def _run_release(version: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The worker in ``version``'s venv; its JSON rows (progress passes through on stderr)."""
+def _run_release(version: str, seed: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The worker in ``version``'s venv with ``seed``; its JSON rows (progress passes through on stderr)."""
     python = compat.venv_for(version) / "bin" / "python"
+    out = str(args.out) if args.seeds == 1 else str(Path(args.out) / f"seed-{seed}")
     cmd = [str(python), "-m", "kvspec.cli", "history", "--worker", version, "--budget", str(args.budget),
-           "--seed", str(args.seed), "--out", str(args.out), *(["--raw"] if args.raw else [])]
-    print(f"history: vLLM {version}: fuzzing for {args.budget:.0f}s ({python})", file=sys.stderr)
+           "--seed", str(seed), "--out", out, *(["--raw"] if args.raw else [])]
+    print(f"history: vLLM {version}: fuzzing for {args.budget:.0f}s, seed {seed} ({python})", file=sys.stderr)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.budget * 2 + 300)
     if proc.returncode not in (EXIT_CLEAN, EXIT_FINDING):
         raise ConfigError(f"the vLLM {version} worker exited {proc.returncode} (its message is above)")
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def _print(rows: list[dict[str, Any]], versions: list[str], as_json: bool) -> None:
+def finding_key(row: dict[str, Any]) -> tuple[str, str, str]:
+    """What makes two seeds' rows the same finding: release, kind and invariant (or exception)."""
+    return row["version"], row["kind"], row["finding"].split(":", 1)[0]
+
+
+def aggregate(runs: list[list[dict[str, Any]]], seeds: int) -> list[dict[str, Any]]:
+    """One row per release and finding over ``runs`` (each search's rows; a release's ``seeds``
+    searches next to each other, every search ending with its ``_end`` row): the first row that
+    made the finding, with the medians over the release's searches (``kvspec.drivers.findtime``;
+    a search without the finding is censored at its end). O(rows x seeds)."""
+    out: list[dict[str, Any]] = []
+    for i in range(0, len(runs), seeds):
+        release = runs[i:i + seeds]
+        ends = [next(r for r in run if "_end" in r) for run in release]
+        keys = list(dict.fromkeys(finding_key(r) for run in release for r in run if "_end" not in r))
+        for key in keys:
+            samples, first = [], None
+            for run, end in zip(release, ends, strict=True):
+                row = next((r for r in run if "_end" not in r and finding_key(r) == key), None)
+                if row is None:
+                    samples.append(Sample(end["seed"], False, end["seconds"], end["ops"]))
+                    continue
+                first = first or row
+                samples.append(Sample(row["seed"], True, row["seconds"], row["ops"]))
+            assert first is not None
+            out.append({**first, **time_to_find(samples).to_json()})
+    return out
+
+
+def _print(rows: list[dict[str, Any]], versions: list[str], as_json: bool, budget: float) -> None:
     if as_json:
         for r in rows:
             print(json.dumps(r))
         return
-    print(f"{'release':<8} {'kind':<10} {'finding':<34} {'seconds':>7} {'ops':>4}  issue")
+    print(f"{'release':<8} {'kind':<10} {'finding':<34} {'seeds':>5} {'median s':>8} {'median ops':>10} "
+          f"{'ops':>4}  issue")
     for v in versions:
         mine = [r for r in rows if r["version"] == v]
         if not mine:
             print(f"{v:<8} {'-':<10} {'nothing found':<34}")
         for r in mine:
-            print(f"{v:<8} {r['kind']:<10} {r['finding'][:34]:<34} {r['seconds']:>7.1f} {r['trace_ops']:>4}  "
-                  f"{r['issue']}")
+            secs, ops = describe(time_to_find([Sample(**p) for p in r["per_seed"]]), budget)
+            print(f"{v:<8} {r['kind']:<10} {r['finding'][:34]:<34} {r['found_seeds']:>2}/{r['seeds']:<2} "
+                  f"{secs:>8} {ops:>10} {r['trace_ops']:>4}  {r['issue']}")
 
 
 # -- the worker, inside one release's venv -----------------------------------------------------
@@ -204,35 +245,50 @@ def _config(rng: random.Random) -> OffloadConfig:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    """Search ``vllm@VERSION`` for ``args.budget`` seconds; one JSON row per distinct finding."""
+    """Search ``vllm@VERSION`` for ``args.budget`` seconds; one JSON row per distinct finding, then
+    an ``_end`` row (the search's seconds and operations)."""
     from kvspec.adapters.targets import get_factory
+
+    single_threaded()
+    target = f"{compat.TARGET_PREFIX}{args.worker}"
+    factory = get_factory(raw_target(target) if args.raw else target)
+    found = False
+    for row in search(args.worker, factory, args):
+        print(json.dumps(row), flush=True)
+        found = found or "_end" not in row
+    return EXIT_FINDING if found else EXIT_CLEAN
+
+
+def search(version: str, factory: Any, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """The worker's search of ``factory``'s targets (``vllm@VERSION`` in the worker; any target in a
+    test) for ``args.budget`` seconds with ``args.seed``: each distinct finding's row as it is
+    made (``seconds`` and ``ops``: into the search when the finding's trace was drawn and applied
+    up to it), then the ``_end`` row."""
     from kvspec.adapters.vllm import baseline_oracle
     from kvspec.drivers.harness import REPLAYS
 
-    single_threaded()
-    version = args.worker
-    target = f"{compat.TARGET_PREFIX}{version}"
-    factory = get_factory(raw_target(target) if args.raw else target)
     rng = random.Random(args.seed)
     start = time.monotonic()
     seen: set[tuple[str | None, str | None]] = set()
     found_ids: set[str] = set()
     traces = ops = 0
+    paused = 0.0  # seconds spent shrinking and judging findings: not searching
     replays: dict[str, int] = {}  # traces generate judged by a fresh, full replay, by cause
     while time.monotonic() - start < args.budget:
         cfg = _config(rng)
         skip = found_ids | set(compat.unclaimed(compat.Release(version)))
         oracle = tuple(i for i in baseline_oracle(cfg) if i not in skip)
-        row = _one_trace(version, cfg, factory, oracle, rng, seen, start, args)
+        row = _one_trace(version, cfg, factory, oracle, rng, seen, start + paused, ops, args)
         traces += 1
         ops += row.pop("_ops") if row else 0
+        paused += row.pop("_paused", 0.0)
         why = row.pop("_replayed", None)
         if why is not None:
             replays[why] = replays.get(why, 0) + 1
         if row and "finding" in row:
             if row["kind"] == "violation":
                 found_ids.add(row["invariant"])
-            print(json.dumps(row), flush=True)
+            yield row
             print(f"history: vLLM {version}: {row['kind']} {row['finding']} at {row['seconds']:.1f}s "
                   f"({row['trace_ops']} ops shrunk)", file=sys.stderr)
         if traces % 10 == 0:
@@ -241,13 +297,16 @@ def _worker(args: argparse.Namespace) -> int:
     print(f"history: vLLM {version}: done, {traces} traces in {time.monotonic() - start:.0f}s", file=sys.stderr)
     for why, n in replays.items():
         print(f"history: vLLM {version}: WARNING: {n} trace(s) replayed ({why}): {REPLAYS[why]}", file=sys.stderr)
-    return EXIT_FINDING if seen else EXIT_CLEAN
+    yield {"_end": True, "version": version, "seed": args.seed, "seconds": round(time.monotonic() - start - paused, 3),
+           "ops": ops, "traces": traces}
 
 
 def _one_trace(version: str, cfg: OffloadConfig, factory: Any, oracle: tuple[str, ...], rng: random.Random,
-               seen: set[tuple[str | None, str | None]], start: float, args: argparse.Namespace) -> dict[str, Any]:
-    """One random trace; a new finding, shrunk and saved, as a row (``_ops``: operations run). A
-    refusal by kvspec's adapter is judged again on the raw target (``_judged_raw``)."""
+               seen: set[tuple[str | None, str | None]], start: float, ops_before: int,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """One random trace; a new finding, shrunk and saved, as a row (``_ops``: operations run;
+    ``ops``: ``ops_before`` and this trace's up to the finding). A refusal by kvspec's adapter is
+    judged again on the raw target (``_judged_raw``)."""
     from kvspec.drivers.harness import _finding_trace, finding_name, generate, save_trace, shrink
     from kvspec.drivers.opgen import OpMix
     from kvspec.oracle.oracles import Oracle
@@ -269,6 +328,7 @@ def _one_trace(version: str, cfg: OffloadConfig, factory: Any, oracle: tuple[str
         return row
     seen.add(sig)
     seconds = time.monotonic() - start
+    row["_paused"] = -time.monotonic()
     small, small_out = shrink(cfg, trace_ops, factory, oracle, out, time.monotonic() + 60.0)
     kind = _kind(small_out, raw)
     what = small_out.violation.id if small_out.violation else (small_out.exception or "rejected")
@@ -279,8 +339,10 @@ def _one_trace(version: str, cfg: OffloadConfig, factory: Any, oracle: tuple[str
     if kind == "divergence":
         text = f"{text}; on {raw_target(target)} vLLM accepts it and every invariant holds"
     row.update(version=version, finding=f"{what}: {text}"[:300], kind=kind,
-               invariant=small_out.violation.id if small_out.violation else None, seconds=round(seconds, 1),
-               trace_ops=len(small), trace=str(path), raw=raw, issue=issue_for(version, kind, what))
+               invariant=small_out.violation.id if small_out.violation else None, seconds=round(seconds, 3),
+               trace_ops=len(small), trace=str(path), raw=raw, issue=issue_for(version, kind, what),
+               seed=args.seed, ops=ops_before + len(trace_ops))
+    row["_paused"] += time.monotonic()
     return row
 
 

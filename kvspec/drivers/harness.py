@@ -50,6 +50,7 @@ from kvspec.drivers.opgen import (
     RandomChoices,
     kind_weights,
     random_config,
+    swarm_mix,
 )
 from kvspec.drivers.trace import Trace
 from kvspec.oracle import oracles
@@ -577,14 +578,19 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
          progress: Callable[[int, int, float], None] | None = None,
          config_for: Callable[[random.Random], OffloadConfig] | None = None,
          bug: str | None = None, on_finding: FindingSink | None = None, refine: bool = False,
-         resume: list[Any] | None = None, pins: ConfigPins = NO_PINS) -> FuzzResult:
+         resume: list[Any] | None = None, pins: ConfigPins = NO_PINS, shrink_finding: bool = True,
+         swarm: bool = True) -> FuzzResult:
     """Random traces until a finding or ``budget`` seconds. ``oracle`` is an oracle spec
     (``kvspec.oracle.resolve``: None/``claims``, ``all`` or ids), resolved for each random
     configuration; ``bug`` names the known-bug variant under test. A finding is handed to
     ``on_finding`` unshrunk, then shrunk; Ctrl-C returns what was found so far. ``refine`` adds
     the refinement check (R1, ``kvspec.specs.refinement``) after every accepted operation.
     ``resume``: a ``rng_state`` of an earlier run with the same seed, to go on where it stopped.
-    ``pins``: features every random configuration has (``random_config``; not with ``config_for``)."""
+    ``pins``: features every random configuration has (``random_config``; not with ``config_for``).
+    ``shrink_finding`` False: the finding is reported unshrunk (``trace`` is the unshrunk trace), as
+    a time-to-find measurement that needs no small trace wants. ``swarm`` (the default): swarm
+    testing, each trace with its own mix (``opgen.swarm_mix``) and the configuration's features
+    drawn half the time each (``random_config``); False: every trace with ``FUZZ_MIX``."""
     rng = random.Random(seed)
     if resume is not None:
         version, internal, gauss = resume
@@ -594,10 +600,12 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
     res = FuzzResult(False, 0.0, 0, 0, rare=rare.counts)
     try:
         while time.monotonic() - start < budget:
-            cfg = config_for(rng) if config_for else random_config(RandomChoices(rng), policy, lazy, pins=pins)
+            cfg = config_for(rng) if config_for else random_config(RandomChoices(rng), policy, lazy, pins=pins,
+                                                                   swarm=swarm)
             orc = claimed.resolve(oracle, cfg, bug)
             res.oracle = orc.name
-            trace_ops, out = generate(cfg, factory, rng, ops_per_trace, orc.ids, rare, refine=refine)
+            mix = swarm_mix(RandomChoices(rng)) if swarm else FUZZ_MIX
+            trace_ops, out = generate(cfg, factory, rng, ops_per_trace, orc.ids, rare, mix=mix, refine=refine)
             res.traces += 1
             res.ops += len(trace_ops)
             res.rejected += out.rejected
@@ -612,16 +620,10 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
             res.unshrunk = _finding_trace(cfg, trace_ops, target_name, seed, orc, out)
             if on_finding is not None:
                 on_finding(res.unshrunk, "unshrunk")
-            try:
-                small, small_out = shrink(cfg, trace_ops, factory, orc.ids, out, time.monotonic() + max(5.0, budget),
-                                          refine)
-            except ShrinkInterrupted as stop:
-                res.interrupted = True
-                small, small_out = stop.ops, stop.outcome
-            res.outcome = small_out
-            res.trace = _finding_trace(cfg, small, target_name, seed, orc, small_out)
-            if on_finding is not None:
-                on_finding(res.trace, "shrunk")
+            res.trace = res.unshrunk
+            if shrink_finding:
+                _shrink_finding(res, (cfg, trace_ops, target_name, seed), factory, orc,
+                                time.monotonic() + max(5.0, budget), refine, on_finding)
             break
     except KeyboardInterrupt:
         res.interrupted = True
@@ -631,6 +633,25 @@ def fuzz(factory: TargetFactory, policy: str, budget: float, seed: int, oracle: 
     version, internal, gauss = rng.getstate()
     res.rng_state = [version, list(internal), gauss]
     return res
+
+
+def _shrink_finding(res: FuzzResult, found: tuple[OffloadConfig, list[dict[str, Any]], str, int],
+                    factory: TargetFactory, orc: oracles.Oracle, deadline: float, refine: bool,
+                    on_finding: FindingSink | None) -> None:
+    """``fuzz``'s finding in ``res`` (``found``: the configuration, operations, target name and seed
+    of its trace), shrunk by ``deadline``; Ctrl-C keeps the smallest trace so far and marks ``res``
+    interrupted."""
+    cfg, ops, target_name, seed = found
+    assert res.outcome is not None
+    try:
+        small, small_out = shrink(cfg, ops, factory, orc.ids, res.outcome, deadline, refine)
+    except ShrinkInterrupted as stop:
+        res.interrupted = True
+        small, small_out = stop.ops, stop.outcome
+    res.outcome = small_out
+    res.trace = _finding_trace(cfg, small, target_name, seed, orc, small_out)
+    if on_finding is not None:
+        on_finding(res.trace, "shrunk")
 
 
 def _finding_trace(cfg: OffloadConfig, ops: list[dict[str, Any]], target: str, seed: int,

@@ -200,21 +200,24 @@ def parse_pins(text: str) -> ConfigPins:
 
 
 def random_config(choices: Choices, policy: str, lazy: bool = False, block_size: int = 16,
-                  pins: ConfigPins = NO_PINS) -> OffloadConfig:
+                  pins: ConfigPins = NO_PINS, swarm: bool = False) -> OffloadConfig:
     """A small configuration for ``policy``: 12-24 GPU and 4-8 CPU blocks (so that the rare paths
     are common), one or two ranks, now and then a sliding-window group beside the full one,
     async scheduling (vLLM's default) three times in four, synchronous scheduling otherwise, and
-    n-gram speculative decoding with one to three draft tokens one time in four. A feature that
-    ``pins`` fixes is not drawn (the other draws are the same as without pins)."""
+    n-gram speculative decoding with one to three draft tokens one time in four. With ``swarm``
+    (swarm testing, the fuzzer's default) each of the three features is drawn half the time, so
+    that their combinations are as common as the features. A feature that ``pins`` fixes is not
+    drawn (the other draws are the same as without pins)."""
+    sliding_p, async_p, spec_p = (0.5, 0.5, 0.5) if swarm else (0.3, 0.75, 0.25)
     gpu = choices.pick((12, 16, 24))
     cpu = choices.pick((4, 5, 6, 8))
     world = choices.pick((1, 1, 2))
     groups: tuple[KVGroup, ...] = (KVGroup(),)
-    if choices.chance(0.3) if pins.sliding is None else pins.sliding:
+    if choices.chance(sliding_p) if pins.sliding is None else pins.sliding:
         window = choices.pick((block_size, 2 * block_size, 3 * block_size))
         groups = (KVGroup(), KVGroup("sliding", sliding_window=window))
-    async_scheduling = choices.chance(0.75) if pins.async_scheduling is None else pins.async_scheduling
-    spec = choices.pick((1, 2, 3)) if (choices.chance(0.25) if pins.spec is None else pins.spec) else 0
+    async_scheduling = choices.chance(async_p) if pins.async_scheduling is None else pins.async_scheduling
+    spec = choices.pick((1, 2, 3)) if (choices.chance(spec_p) if pins.spec is None else pins.spec) else 0
     return OffloadConfig(block_size=block_size, num_gpu_blocks=gpu, num_cpu_blocks=cpu, world_size=world,
                          groups=groups, policy=policy, lazy_offload=lazy, async_scheduling=async_scheduling,
                          num_speculative_tokens=spec)
@@ -235,9 +238,35 @@ class OpMix:
     num_families: int = FAMILIES
     invalid_rate: float = 0.0
     readmit_preempted: bool = False
+    kind_factors: tuple[tuple[str, float], ...] = ()  # ``kind_weights`` multiplied by these (swarm)
+    preempt_chance: float = PREEMPT_CHANCE
+    admit_chance: float = ADMIT_CHANCE
+    budget_chance: float = BUDGET_CHANCE
+    whole_report_chance: float = WHOLE_REPORT_CHANCE
 
 
 FUZZ_MIX = OpMix()  # the fuzzer's and the state machine's: valid operations, three families
+
+SWARM_KIND_FACTORS: dict[str, tuple[float, ...]] = {
+    "add": (1.0, 3.0), "report": (0.25, 1.0, 4.0), "load_done": (0.25, 1.0, 4.0),
+    "finish": (0.0, 1.0, 3.0), "reset": (0.0, 1.0, 10.0),
+}
+"""Swarm testing: the factors one trace's mix may multiply each kind's weight by (steps stay as
+they are; reports and load completions never drop to zero, so transfers still end)."""
+
+
+def swarm_mix(choices: Choices) -> OpMix:
+    """One trace's mix under swarm testing: each feature of the generator drawn on, off or
+    emphasised (the prompt families, each kind's weight, the chances of preempting, admitting, a
+    token budget and a whole report), so that some traces leave out what would undo the state a
+    bug needs (resets, finishes, preemptions) and others pile it on. Every operation it gives is
+    one the plain mix could give; only the proportions differ. O(1)."""
+    factors = tuple((kind, choices.pick(options)) for kind, options in SWARM_KIND_FACTORS.items())
+    return OpMix(num_families=choices.pick((1, 2, 3)), kind_factors=factors,
+                 preempt_chance=choices.pick((0.0, PREEMPT_CHANCE, 0.3)),
+                 admit_chance=choices.pick((0.3, ADMIT_CHANCE, 1.0)),
+                 budget_chance=choices.pick((0.0, BUDGET_CHANCE, 0.8)),
+                 whole_report_chance=choices.pick((0.1, WHOLE_REPORT_CHANCE, 1.0)))
 
 
 def _active(engine: Engine) -> list[str]:
@@ -284,10 +313,15 @@ class OpGenerator:
 
     def next_op(self, engine: Engine) -> Op:
         """The next operation of the mix: with probability ``invalid_rate`` an invalid one (marked
-        ``"expect": "error"``), else a valid one of a kind drawn by ``kind_weights``."""
+        ``"expect": "error"``), else a valid one of a kind drawn by ``kind_weights`` (times the
+        mix's ``kind_factors``; steps are always possible)."""
         if self.mix.invalid_rate > 0 and self.choices.chance(self.mix.invalid_rate):
             return {**self.invalid_op(engine), "expect": "error"}
-        return self.builders[self.choices.weighted(kind_weights(engine))](engine)
+        weights = kind_weights(engine)
+        if self.mix.kind_factors:
+            factors = dict(self.mix.kind_factors)
+            weights = {k: w * factors.get(k, 1.0) for k, w in weights.items() if w * factors.get(k, 1.0) > 0}
+        return self.builders[self.choices.weighted(weights)](engine)
 
     # -- valid operations, one builder per kind (each needs what ``kind_weights`` requires) ---
 
@@ -308,11 +342,11 @@ class OpGenerator:
         c = self.choices
         waiting = [rid for rid, r in engine.live.items() if r.status in (WAITING, PREEMPTED)]
         running = [rid for rid, r in engine.live.items() if r.status == RUNNING]
-        preempt = c.subset(running, PREEMPT_CHANCE)
+        preempt = c.subset(running, self.mix.preempt_chance)
         admissible = waiting + preempt if self.mix.readmit_preempted else waiting
-        admit = c.shuffled(c.subset(admissible, ADMIT_CHANCE))
+        admit = c.shuffled(c.subset(admissible, self.mix.admit_chance))
         op: Op = {"op": "step", "admit": admit, "chunk": c.pick(self.chunks)}
-        if c.chance(BUDGET_CHANCE):
+        if c.chance(self.mix.budget_chance):
             op["budget"] = c.pick(self.budgets)
         if preempt:
             op["preempt"] = preempt
@@ -327,7 +361,7 @@ class OpGenerator:
         c = self.choices
         event = c.pick(sorted(engine.reports_left))
         left = engine.reports_left[event]
-        count = left if c.chance(WHOLE_REPORT_CHANCE) else c.integer(1, left)
+        count = left if c.chance(self.mix.whole_report_chance) else c.integer(1, left)
         return {"op": "report", "event": event, "count": count}
 
     def load_done(self, engine: Engine) -> Op:
