@@ -45,3 +45,17 @@ def test_proofs_md_lists_every_mutation_with_its_layer() -> None:
         row = next((ln for ln in text.splitlines() if ln.startswith(f"| `{m.name}` | {m.path} |")), None)
         assert row is not None, f"{m.name} missing from PROOFS.md's mutation table"
         assert row.rstrip(" |").endswith(m.caught_by), row
+
+
+def test_a_scratch_copy_of_a_scratch_copy_has_the_same_files(tmp_path: Path) -> None:
+    """A copy that is not a git checkout (inside a mutation pass) is copied whole, caches aside."""
+    first = scratch_copy(Path(__file__).resolve().parent.parent, tmp_path / "a")
+    (first / "tests" / "__pycache__").mkdir(exist_ok=True)
+    (first / "tests" / "__pycache__" / "x.pyc").write_bytes(b"")
+    second = scratch_copy(first, tmp_path / "b")
+
+    def files(root: Path) -> set[str]:
+        return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+    assert files(first) == files(second) and (second / "kvspec" / "model").is_symlink()
+    assert not (second / "tests" / "__pycache__").exists()
