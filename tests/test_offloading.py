@@ -479,3 +479,17 @@ def test_arc_self_check_refuses_either_ghost_list_over_capacity() -> None:
         setattr(m.policy, ghost, {_k(7): None, _k(8): None})
         with pytest.raises(AssertionError):
             m._check()
+
+
+def test_cli_bugs_of_the_offloading_manager_gives_time_to_find_rows(tmp_path: Path) -> None:
+    r = _kvspec("bugs", "--manager", "offloading", "--only", "lru-evicts-newest,offloading-failed-store-leak",
+                "--seeds", "2", "--budget", "20", "--out", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [row["bug"] for row in rows] == ["lru-evicts-newest", "offloading-failed-store-leak"]
+    assert [row["invariant"] for row in rows] == ["O9", "O1"]
+    assert all(row["found"] and row["found_seeds"] == 2 and row["median_ops"] > 0 for row in rows)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bug-lru-evicts-newest-O9.jsonl",
+                                                         "bug-offloading-failed-store-leak-O1.jsonl"]
+    r = _kvspec("bugs", "--only", "lru-evicts-newest", "--budget", "1")
+    assert r.returncode == 2 and "--manager offloading" in r.stderr

@@ -276,3 +276,45 @@ def history(args: argparse.Namespace) -> int:
                 if not found:
                     print(f"{v:8} {policy:6} {'-':10} {'':6} {'':4}  nothing found in {args.budget:.0f}s")
     return EXIT_FINDING if rows else EXIT_CLEAN
+
+
+# -- kvspec bugs --manager offloading ------------------------------------------------------------
+
+
+def hunt_bugs(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
+    """The second manager's known-bug variants, each hunted with its own oracle on seeds
+    ``seed..seed+K-1``: one row per variant with the time to find (``kvspec.drivers.findtime``),
+    the first seed's shrunk trace written under ``--out``."""
+    from kvspec.drivers.findtime import Sample, time_to_find
+    from kvspec.model.offloading.bugs import OFFLOADING_BUGS
+
+    if args.workers not in (None, 1) or args.ray is not None:
+        raise ConfigError("--workers/--ray: bugs --manager offloading hunts its variants one after another")
+    names = args.only.split(",") if args.only is not None else list(OFFLOADING_BUGS)
+    if not any(names):
+        raise ConfigError("--only needs at least one bug name (comma-separated); leave it out for every bug")
+    unknown = [n for n in names if n not in OFFLOADING_BUGS]
+    if unknown:
+        raise ConfigError(f"unknown offloading bug {unknown[0][:60]!r}; known: {', '.join(OFFLOADING_BUGS)}")
+    rows = []
+    for name in names:
+        bug = OFFLOADING_BUGS[name]
+        samples, first = [], None
+        for k in range(args.seeds):
+            res = ofz.fuzz(bug.manager, args.budget, args.seed + k, bug.oracle, bug.policy)
+            found = res.finding is not None and res.finding.kind == "violation"
+            samples.append(Sample(args.seed + k, found, res.seconds, res.ops))
+            first = first or res
+        assert first is not None
+        f = first.finding
+        if args.out is not None and f is not None and first.config is not None:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            with (out / f"bug-{name}-{f.invariant or 'crash'}.jsonl").open("w") as fh:
+                ofz.write_trace(fh, first.config, f"bug:{name}", bug.oracle, f, first.trace)
+        t = time_to_find(samples)
+        rows.append({"bug": name, "manager": "offloading", "kind": None if f is None else f.kind,
+                     "invariant": None if f is None else f.invariant, "exception": None,
+                     "trace_ops": len(first.trace) if f is not None else None, **t.to_json(),
+                     "found": all(s.found for s in samples)})
+    return rows, names

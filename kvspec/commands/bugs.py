@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workers_argument(p, "processes hunting different bugs at once; the rows do not depend on it")
     add_ray_argument(p)
     p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.add_argument("--manager", choices=("simple", "offloading"), default="simple",
+                   help="simple: SimpleCPUOffload's variants (default); offloading: the OffloadingConnector "
+                        "manager's (kvspec.model.offloading.bugs)")
 
 
 MAX_SEEDS = 1000
@@ -147,25 +150,36 @@ def hunt(budget: float, seed: int, names: list[str] | None = None, out: str | No
 
 
 def run(args: argparse.Namespace) -> int:
-    names = args.only.split(",") if args.only is not None else None
-    if names is not None and not any(names):
-        raise ConfigError("--only needs at least one bug name (comma-separated); leave it out for every bug")
-    for n in names or []:
-        if n not in BUGS:
-            raise ConfigError(f"unknown bug {n[:60]!r}; known: {', '.join(BUGS)}")
     if args.out is not None:
         check_writable(args.out)
-    workers, ray = check_workers(args.workers, args.ray), check_ray(args.ray)
-    rows, interrupted = hunt(args.budget, args.seed, names, args.out, args.json or workers > 1 or ray is not None,
-                             workers, ray, args.seeds)
+    names: list[str] | None
+    if args.manager == "offloading":
+        from kvspec.commands import _offloading
+
+        rows, names = _offloading.hunt_bugs(args)
+        interrupted = False
+    else:
+        names = args.only.split(",") if args.only is not None else None
+        if names is not None and not any(names):
+            raise ConfigError("--only needs at least one bug name (comma-separated); leave it out for every bug")
+        for n in names or []:
+            if n not in BUGS:
+                from kvspec.model.offloading.bugs import OFFLOADING_BUGS
+
+                hint = " (an offloading manager variant: add --manager offloading)" if n in OFFLOADING_BUGS else ""
+                raise ConfigError(f"unknown bug {n[:60]!r}{hint}; known: {', '.join(BUGS)}")
+        workers, ray = check_workers(args.workers, args.ray), check_ray(args.ray)
+        rows, interrupted = hunt(args.budget, args.seed, names, args.out, args.json or workers > 1 or ray is not None,
+                                 workers, ray, args.seeds)
     if args.json:
         print(json.dumps(rows))
     else:
-        print(f"{'bug':26} {'found':6} {'kind':10} {'invariant':10} {'trace ops':>9} {'seeds':>6} "
+        w = max([26, *(len(r["bug"]) for r in rows)])
+        print(f"{'bug':{w}} {'found':6} {'kind':10} {'invariant':10} {'trace ops':>9} {'seeds':>6} "
               f"{'median s':>9} {'median ops':>10}")
         for r in rows:
             secs, ops = describe(time_to_find([Sample(**p) for p in r["per_seed"]]), args.budget)
-            print(f"{r['bug']:26} {'yes' if r['found'] else 'NO':6} {r['kind'] or '-':10} "
+            print(f"{r['bug']:{w}} {'yes' if r['found'] else 'NO':6} {r['kind'] or '-':10} "
                   f"{r['invariant'] or r['exception'] or '-':10} "
                   f"{r['trace_ops'] if r['trace_ops'] is not None else '-':>9} "
                   f"{r['found_seeds']}/{r['seeds']:<4} {secs:>9} {ops:>10}")
