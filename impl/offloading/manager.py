@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from kvspec.contract.errors import InvalidOperationError, UnknownRequestError
 from kvspec.contract.offloading import OffloadingConfig, OffloadKey, PrepareStoreOutput, key_text
 from kvspec.contract.offloading_checks import (
     check_keys,
@@ -28,6 +27,7 @@ from kvspec.contract.offloading_checks import (
     check_new_request,
     check_positions,
     check_success,
+    known_request,
 )
 from kvspec.impl.offloading.arc import TensorARC
 from kvspec.impl.offloading.keys import KeyTable
@@ -60,12 +60,7 @@ class TensorOffloadingManager:
     # -- requests ------------------------------------------------------------------------------
 
     def _req(self, req_id: str, submit: bool) -> Request:
-        req = self.requests.get(req_id) if isinstance(req_id, str) else None
-        if req is None:
-            raise UnknownRequestError(f"unknown request {req_id!r}")
-        if submit and req.closed:
-            raise InvalidOperationError(f"request {req_id!r} has finished: no more lookups, loads or stores")
-        return req
+        return known_request(req_id, self.requests, submit, lambda req: req.closed)
 
     def _access(self, req: Request) -> Access:
         if req.access is None or req.access.generation != self.generation:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from kvspec.contract.errors import ConfigError, InvalidOperationError, UnknownRequestError
+from kvspec.contract.errors import ConfigError
 from kvspec.contract.offloading import OffloadingConfig, OffloadKey, PrepareStoreOutput, key_bytes, key_text
 from kvspec.contract.offloading_checks import (
     check_keys,
@@ -34,6 +34,7 @@ from kvspec.contract.offloading_checks import (
     check_new_request,
     check_positions,
     check_success,
+    known_request,
 )
 
 VLLM_VERSION = "0.33.0"
@@ -90,12 +91,7 @@ class VllmOffloadingTarget:
         return [self._key(k) for k in keys]
 
     def _ctx(self, req_id: str, submit: bool) -> Any:
-        ctx = self._contexts.get(req_id) if isinstance(req_id, str) else None
-        if ctx is None:
-            raise UnknownRequestError(f"unknown request {req_id!r}")
-        if submit and req_id in self._closed:
-            raise InvalidOperationError(f"request {req_id!r} has finished: no more lookups, loads or stores")
-        return ctx
+        return known_request(req_id, self._contexts, submit, lambda _ctx: req_id in self._closed)
 
     def _ref_cnt(self, key: OffloadKey) -> int | None:
         chunk = self.manager._policy.get(self._key(key))

@@ -8,9 +8,10 @@ changes. O(k) for k keys.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TypeVar
 
-from kvspec.contract.errors import InvalidOperationError
+from kvspec.contract.errors import InvalidOperationError, UnknownRequestError
 from kvspec.contract.offloading import OffloadKey
 
 _MAX_GROUP = 2**32
@@ -74,3 +75,18 @@ def check_loading(keys: Sequence[OffloadKey], ref_cnt: Callable[[OffloadKey], in
 def check_success(success: object) -> None:
     if not isinstance(success, bool):
         raise InvalidOperationError(f"success must be a bool, got {success!r:.30}")
+
+
+_C = TypeVar("_C")
+
+
+def known_request(req_id: object, contexts: Mapping[str, _C], submit: bool, closed: Callable[[_C], bool]) -> _C:
+    """The context of a known request; for a submit-side call (``lookup``, ``prepare_*``,
+    ``touch``, positions) also one not finished (``closed``): vLLM's connector makes no such call
+    after ``on_request_finished``, while completions of its transfers may still come."""
+    ctx = contexts.get(req_id) if isinstance(req_id, str) else None
+    if ctx is None:
+        raise UnknownRequestError(f"unknown request {req_id!r:.60}")
+    if submit and closed(ctx):
+        raise InvalidOperationError(f"request {req_id!r:.60} has finished: no more lookups, loads or stores")
+    return ctx

@@ -36,7 +36,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from kvspec.contract.errors import InvalidOperationError, UnknownRequestError
 from kvspec.contract.offloading import OffloadingConfig, OffloadKey, PrepareStoreOutput, key_text
 from kvspec.contract.offloading_checks import (
     check_keys,
@@ -45,6 +44,7 @@ from kvspec.contract.offloading_checks import (
     check_new_request,
     check_positions,
     check_success,
+    known_request,
 )
 from kvspec.model.offloading.arc import ARCPolicy
 from kvspec.model.offloading.lru import LRUPolicy
@@ -76,12 +76,7 @@ class OffloadingManager:
     # -- requests ----------------------------------------------------------------------------
 
     def _ctx(self, req_id: str, submit: bool) -> RequestContext:
-        ctx = self.requests.get(req_id) if isinstance(req_id, str) else None
-        if ctx is None:
-            raise UnknownRequestError(f"unknown request {req_id!r}")
-        if submit and ctx.closed:
-            raise InvalidOperationError(f"request {req_id!r} has finished: no more lookups, loads or stores")
-        return ctx
+        return known_request(req_id, self.requests, submit, lambda ctx: ctx.closed)
 
     def _record(self, ctx: RequestContext) -> AccessRecord:
         """The request's access record of this generation, made anew after a reset."""
