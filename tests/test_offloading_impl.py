@@ -473,8 +473,8 @@ def _ties_by_slot(self: TensorLRU, out: torch.Tensor, same: torch.Tensor) -> tor
 
 @pytest.mark.parametrize(("policy", "cls", "name", "bug"), [
     ("lru", TensorLRU, "_candidates", _ignores_ref_counts_lru),
-    ("arc", TensorARC, "_candidates", _ignores_ref_counts_arc),
-    ("lru", TensorLRU, "_break_ties", _ties_by_slot),
+    pytest.param("arc", TensorARC, "_candidates", _ignores_ref_counts_arc, marks=pytest.mark.deep),
+    pytest.param("lru", TensorLRU, "_break_ties", _ties_by_slot, marks=pytest.mark.deep),
 ])
 def test_lockstep_catches_a_planted_bug(monkeypatch: pytest.MonkeyPatch, policy: str, cls: type, name: str,
                                         bug: object) -> None:
