@@ -378,6 +378,7 @@ def test_cli_fuzz_and_replay_of_a_bug_variant_exit_1_and_the_model_exits_0(tmp_p
     assert r.returncode == 0 and json.loads(r.stdout)["finding"] is None
     r = _kvspec("fuzz", "--target", "offloading", "--budget", "1", "--out", str(tmp_path), "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["finding"] is None
+    assert json.loads(r.stdout)["oracle"]["ids"] == [f"O{i}" for i in range(1, 11)]  # O11-O15 need a connector
 
 
 @pytest.mark.parametrize("args", [

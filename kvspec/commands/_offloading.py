@@ -4,8 +4,9 @@
 (``offloading``, ``vllm-offloading``, ``bug:<offloading variant>``) or the trace's header says
 ``manager: offloading``. Options that only the first manager has (``--refine``, ``--configs``,
 ``--raw``, ``--resume``, more than one worker, ``--ray``, ``--explain``, ``--html``) are refused
-with exit 2 naming the option, rather than ignored. The oracle is the target's claims (every
-O-invariant for the model and vLLM; a variant's catalogued ids), ``all``, or a list of O-ids.
+with exit 2 naming the option, rather than ignored. The oracle is the target's claims (O1-O10,
+every manager-level invariant, for the model, impl and vLLM; a variant's catalogued ids), ``all``
+(the same: O11-O15 need a snapshot of vLLM's scheduler and connector), or a list of O-ids.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from kvspec.adapters.targets import get_offloading_factory
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, TraceError
 from kvspec.contract.offloading import POLICIES
 from kvspec.drivers import offloading_fuzz as ofz
-from kvspec.oracle.catalogue import OFFLOADING_CATALOGUE
+from kvspec.oracle.catalogue import MANAGER_INVARIANTS, OFFLOADING_CATALOGUE
 
 
 def oracle_of(spec: str | None, target: str) -> tuple[str, tuple[str, ...]]:
@@ -35,9 +36,9 @@ def oracle_of(spec: str | None, target: str) -> tuple[str, tuple[str, ...]]:
             from kvspec.model.offloading.bugs import OFFLOADING_BUGS
 
             return f"claims of {target}", OFFLOADING_BUGS[target[4:]].oracle
-        return "claims", tuple(OFFLOADING_CATALOGUE)
+        return "claims", MANAGER_INVARIANTS
     if spec == "all":
-        return "all", tuple(OFFLOADING_CATALOGUE)
+        return "all", MANAGER_INVARIANTS
     ids = tuple(dict.fromkeys(i.strip() for i in spec.split(",") if i.strip()))
     unknown = [i for i in ids if i not in OFFLOADING_CATALOGUE]
     if not ids or unknown:
@@ -210,7 +211,7 @@ def known_cause(version: str, invariant: str | None, policy: str, config: dict[s
 def _search(python: Path, version: str, policy: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Fuzz one release and policy for ``--budget`` seconds in its venv; each finding's invariant
     then leaves the oracle and the search goes on with the rest (a crash ends it)."""
-    oracle = list(OFFLOADING_CATALOGUE)
+    oracle = list(MANAGER_INVARIANTS)
     rows: list[dict[str, Any]] = []
     spent = 0.0
     while oracle and spent < args.budget:

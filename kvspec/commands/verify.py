@@ -141,7 +141,7 @@ def _offloading_campaign(target: str, budget: float, seed: int) -> tuple[bool | 
     O-invariant (``offloading``); skipped when the target is not available here."""
     from kvspec.adapters.targets import get_offloading_factory
     from kvspec.drivers import offloading_fuzz as ofz
-    from kvspec.oracle.catalogue import OFFLOADING_CATALOGUE
+    from kvspec.oracle.catalogue import MANAGER_INVARIANTS
 
     try:
         factory = get_offloading_factory(target)
@@ -153,7 +153,7 @@ def _offloading_campaign(target: str, budget: float, seed: int) -> tuple[bool | 
         return None, f"{target} is not available ({exc})"
     model = get_offloading_factory("offloading")
     if target == "offloading":
-        res = ofz.fuzz(model, budget, seed, tuple(OFFLOADING_CATALOGUE))
+        res = ofz.fuzz(model, budget, seed, MANAGER_INVARIANTS)
         if res.finding is not None:
             return False, f"{res.traces} traces; {res.finding.kind}: {res.finding.message}"
         return True, f"{res.traces} traces, {res.ops} operations, no finding (oracle: O1-O10)"

@@ -1086,3 +1086,5 @@ def _o15(s: Snapshot) -> Iterable[Violation]:
 # The connector-level invariants: judged only on snapshots of vLLM's real scheduler and connector
 # (a ``connector`` section), tested by breaking such snapshots in tests/test_vllm_offloading_connector.py.
 CONNECTOR_INVARIANTS = ("O11", "O12", "O13", "O14", "O15")
+# The manager-level ones: what a snapshot of the manager alone (a driver's) is judged by.
+MANAGER_INVARIANTS = tuple(i for i in OFFLOADING_CATALOGUE if i not in CONNECTOR_INVARIANTS)
