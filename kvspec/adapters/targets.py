@@ -16,11 +16,10 @@ from collections.abc import Callable
 
 from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import ConfigError
-from kvspec.contract.offloading import OffloadingConfig, OffloadingManagerTarget
+from kvspec.contract.offloading import OffloadingFactory
 from kvspec.contract.types import OffloadTarget
 
 TargetFactory = Callable[[OffloadConfig], OffloadTarget]
-OffloadingFactory = Callable[[OffloadingConfig], OffloadingManagerTarget]
 
 _FACTORIES: dict[str, str] = {
     "model": "kvspec.model:make_scheduler",

@@ -23,7 +23,7 @@ position of each key, which the caller declares with ``set_key_positions`` (vLLM
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -131,3 +131,6 @@ class OffloadingManagerTarget(Protocol):
     def snapshot(self) -> dict[str, Any]:
         """The manager's state in the canonical form (``manager: offloading``; SPEC.md §9)."""
         ...
+
+
+OffloadingFactory = Callable[[OffloadingConfig], OffloadingManagerTarget]

@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvspec.contract.errors import InvalidOperationError
 from kvspec.contract.offloading import OffloadingConfig, OffloadingManagerTarget, OffloadKey, key_text
 
-OffloadingFactory = Callable[[OffloadingConfig], OffloadingManagerTarget]
 OPS = ("new", "positions", "lookup", "load", "load_done", "touch", "store", "store_done", "finish", "reset")
 BLOCK_SIZE = 16
 
@@ -306,12 +304,4 @@ class Generator:
             self.hits = (op["req"], hits)
         elif op["op"] == "store" and result is not None and result["keys_to_store"]:
             self.reqs[op["req"]].stores.append([(h, g) for h, g in result["keys_to_store"]])
-
-
-def run_ops(target: OffloadingManagerTarget, ops: list[dict[str, Any]]) -> Driver:
-    """Apply ``ops`` in order (a replay); refusals propagate."""
-    driver = Driver(target)
-    for op in ops:
-        driver.apply(op)
-    return driver
 

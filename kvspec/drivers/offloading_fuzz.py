@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from kvspec.contract.errors import KVSpecError, TraceError
-from kvspec.contract.offloading import OffloadingConfig
-from kvspec.drivers.offloading import Driver, Generator, OffloadingFactory, random_offloading_config
+from kvspec.contract.offloading import OffloadingConfig, OffloadingFactory
+from kvspec.drivers.offloading import Driver, Generator, random_offloading_config
 from kvspec.oracle.catalogue import check
 
 TRACE_VERSION = 1
