@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any
 
 from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import ConfigError
@@ -73,13 +74,19 @@ def get_factory(name: str) -> TargetFactory:
     if spec is None:
         raise ConfigError(f"unknown target {name!r}; known: {', '.join(target_names())}; "
                           "also offloading, vllm-offloading")
+    factory: TargetFactory = _load(name, spec)
+    return factory
+
+
+def _load(name: str, spec: str) -> Any:
+    """The attribute a ``module:attribute`` spec names, imported now; ``ConfigError`` if the module
+    cannot be imported here."""
     module, _, attr = spec.partition(":")
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:
         raise ConfigError(f"target {name!r} is not available here: {exc}") from None
-    factory: TargetFactory = getattr(mod, attr)
-    return factory
+    return getattr(mod, attr)
 
 
 def offloading_target_names() -> list[str]:
@@ -108,10 +115,5 @@ def get_offloading_factory(name: str) -> OffloadingFactory:
     spec = _OFFLOADING_FACTORIES.get(name)
     if spec is None:
         raise ConfigError(f"unknown offloading target {name!r}; known: {', '.join(offloading_target_names())}")
-    module, _, attr = spec.partition(":")
-    try:
-        mod = importlib.import_module(module)
-    except ImportError as exc:
-        raise ConfigError(f"target {name!r} is not available here: {exc}") from None
-    factory: OffloadingFactory = getattr(mod, attr)
+    factory: OffloadingFactory = _load(name, spec)
     return factory
