@@ -494,3 +494,11 @@ def test_cli_bugs_of_the_offloading_manager_gives_time_to_find_rows(tmp_path: Pa
                                                          "bug-offloading-failed-store-leak-O1.jsonl"]
     r = _kvspec("bugs", "--only", "lru-evicts-newest", "--budget", "1")
     assert r.returncode == 2 and "--manager offloading" in r.stderr
+
+
+def test_check_snapshot_says_it_does_not_read_the_offloading_managers_snapshots(tmp_path: Path) -> None:
+    m = _busy_manager()
+    path = tmp_path / "offloading.json"
+    path.write_text(json.dumps(m.snapshot()))
+    r = _kvspec("check-snapshot", str(path))
+    assert r.returncode == 2 and "offloading manager are judged by kvspec fuzz and replay" in r.stderr
