@@ -486,6 +486,11 @@ ENGINE_CASES = [
          InvalidCountError, r"prompt_len = 1048576 exceeds 65536"),
     Case("engine: add negative max_tokens", engine_op(op="add", rid="n", family=1, prompt_len=3, max_tokens=-2),
          InvalidCountError, r"max_tokens must be a non-negative int, got -2"),
+    Case("engine: add max_tokens 0", engine_op(op="add", rid="n", family=1, prompt_len=3, max_tokens=0),
+         InvalidCountError, r"max_tokens must be >= 1 \(vLLM's SamplingParams\); 0 is read only from a trace of "
+         r"format 1-3"),
+    Case("engine: add a format mark of 4", engine_op(op="add", rid="n", family=1, prompt_len=3, max_tokens=0, format=4),
+         InvalidCountError, r"format must be a trace format of 1\.\.3 \(which allowed max_tokens 0\), got 4"),
     Case("engine: step zero chunk", engine_op(op="step", chunk=0), InvalidCountError, r"chunk must be >= 1"),
     Case("engine: step negative chunk", engine_op(op="step", chunk=-5), InvalidCountError,
          r"chunk must be a non-negative int"),

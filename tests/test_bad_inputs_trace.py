@@ -336,12 +336,12 @@ def test_shipped_traces_read_whole_and_streamed_alike() -> None:
         assert len(tr.ops) == len([ln for ln in path.read_text().splitlines()[1:] if ln.strip()])
 
 
-def test_version_3_round_trip(tmp_path: Path) -> None:
+def test_version_4_round_trip(tmp_path: Path) -> None:
     tr = trace_io.read(TRACES / "vllm-fixme.jsonl")  # a version 2 file: synchronous scheduling
     tr.oracle = ("C1", "I3")
     tr.finding = {"kind": "violation", "op_index": len(tr.ops) - 1, "invariant": "C1", "exception": None}
     head = tr.header()
-    assert head["kvspec_trace"] == trace_io.TRACE_VERSION == 3
+    assert head["kvspec_trace"] == trace_io.TRACE_VERSION == 4
     assert head["config"]["async_scheduling"] is False  # written out, so it stays what it was
     assert head["oracle"] == ["C1", "I3"] and head["finding"]["invariant"] == "C1"
     tr.write(tmp_path / "t.jsonl")
@@ -363,6 +363,38 @@ def test_traces_before_version_3_ran_under_synchronous_scheduling() -> None:
         for said in (False, True):
             head = json.dumps({"kvspec_trace": version, "config": {**bare, "async_scheduling": said}})
             assert trace_io.loads(head + "\n" + ADD + "\n").config.async_scheduling is said
+
+
+def _zero(**extra: Any) -> str:
+    return json.dumps({"op": "add", "rid": "z", "family": 1, "prompt_len": 8, "max_tokens": 0, **extra})
+
+
+def test_max_tokens_zero_is_refused_from_version_4_and_marked_before() -> None:
+    """vLLM's SamplingParams needs max_tokens >= 1. Formats 1-3 allowed 0 (a request that samples no
+    token): their lines are read with the mark ``"format": <version>``; a version 4 line needs it."""
+    for version in (1, 2, 3):
+        head = json.dumps({"kvspec_trace": version, "config": GOOD})
+        assert trace_io.loads(head + "\n" + _zero() + "\n").ops[0]["format"] == version
+        assert "format" not in trace_io.loads(head + "\n" + ADD + "\n").ops[0]
+    head = json.dumps({"kvspec_trace": 4, "config": GOOD})
+    with pytest.raises(TraceError, match=r"line 2: add.max_tokens = 0: vLLM needs at least 1"):
+        trace_io.loads(head + "\n" + _zero() + "\n")
+    assert trace_io.loads(head + "\n" + _zero(format=3) + "\n").ops[0]["format"] == 3
+    with pytest.raises(TraceError, match=r"line 2: add.format = 4: only a line from trace format 1..3"):
+        trace_io.loads(head + "\n" + _zero(format=4) + "\n")
+    with pytest.raises(TraceError, match=r"line 2: add.format marks only a request with max_tokens 0"):
+        trace_io.loads(head + "\n" + json.dumps({**json.loads(ADD), "format": 3}) + "\n")
+
+
+def test_an_old_trace_with_max_tokens_zero_keeps_its_meaning_written_as_version_4(tmp_path: Path) -> None:
+    """A version 2 trace with max_tokens 0 is written back as version 4 with the mark, and reads
+    back the same; the shipped traces that use it still reach their recorded finding (elsewhere)."""
+    tr = trace_io.read(TRACES / "reset-releases-inflight.jsonl")
+    zero = [op for op in tr.ops if op["op"] == "add" and op.get("max_tokens") == 0]
+    assert zero and all(op["format"] == 2 for op in zero)  # a version 2 file
+    tr.write(tmp_path / "t.jsonl")
+    assert json.loads((tmp_path / "t.jsonl").read_text().splitlines()[0])["kvspec_trace"] == 4
+    assert trace_io.read(tmp_path / "t.jsonl") == tr
 
 
 def test_writing_refuses_what_reading_would_refuse() -> None:

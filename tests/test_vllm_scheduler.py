@@ -142,7 +142,7 @@ CPU_HIT_STREAM = [
     # a prefills in two chunks and decodes; its two full blocks are stored (two ranks report)
     add("a", 0, 8), step(("a",), 4), step(chunk=4), step(), report(0), report(0), report(1, 2), finish("a"),
     # b takes the whole GPU pool, evicting a's blocks, and its finish flushes its own blocks
-    add("b", 1, 36, max_tokens=0), step(("b",), 36), finish("b"),
+    add("b", 1, 35, max_tokens=1), step(("b",), 35), finish("b"),
     # c shares a's prefix: no room until the flush lands, then a CPU hit loaded asynchronously
     add("c", 0, 9), step(("c",)), report(2, 2), step(("c",)), {"op": "load_done", "rid": "c"}, step(), step(),
     finish("c"), {"op": "reset"},

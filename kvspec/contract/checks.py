@@ -47,6 +47,20 @@ def check_count(value: object, what: str, upper: int | None = None) -> int:
     return value
 
 
+def check_max_tokens(value: object, upper: int, format: int | None = None) -> int:
+    """A request's ``max_tokens``: an int of 1..``upper``, as vLLM's ``SamplingParams`` needs at
+    least 1. ``format`` 1..3 marks a request from a trace of that format, where 0 was allowed (a
+    request that samples no token); ``InvalidCountError`` otherwise."""
+    if format is not None and (not isinstance(format, int) or isinstance(format, bool) or not 1 <= format <= 3):
+        raise InvalidCountError(f"format must be a trace format of 1..3 (which allowed max_tokens 0), "
+                                f"got {echo(format)}")
+    count = check_count(value, "max_tokens", upper)
+    if count == 0 and format is None:
+        raise InvalidCountError("max_tokens must be >= 1 (vLLM's SamplingParams); 0 is read only from a trace "
+                                "of format 1-3")
+    return count
+
+
 def check_count_type(value: object, what: str) -> int:
     """An int (not a bool) of any sign: what a count must be to reach a real engine unchecked
     (raw mode). ``InvalidCountError``."""

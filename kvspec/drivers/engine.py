@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvspec.contract.checks import check_count
+from kvspec.contract.checks import check_count, check_max_tokens
 from kvspec.contract.config import MAX_BATCHED_TOKENS
 from kvspec.contract.errors import (
     InvalidCountError,
@@ -386,8 +386,10 @@ class Engine:
 
     # -- operations --------------------------------------------------------------------------
 
-    def op_add(self, rid: str, family: int, prompt_len: int, max_tokens: int = 4) -> None:
-        """A new request arrives (waiting); no target call."""
+    def op_add(self, rid: str, family: int, prompt_len: int, max_tokens: int = 4,
+               format: int | None = None) -> None:
+        """A new request arrives (waiting); no target call. ``max_tokens`` >= 1, or 0 with a trace
+        ``format`` of 1-3 (``check_max_tokens``)."""
         if not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID:
             raise InvalidOperationError(f"request id must be a string of 1..{MAX_REQUEST_ID} characters, "
                                         f"got {echo(rid)}")
@@ -395,7 +397,7 @@ class Engine:
             raise InvalidOperationError(f"request {echo(rid)} already exists")
         check_count(family, "family")
         check_count(prompt_len, "prompt_len", MAX_PROMPT_TOKENS)
-        check_count(max_tokens, "max_tokens", MAX_PROMPT_TOKENS)
+        check_max_tokens(max_tokens, MAX_PROMPT_TOKENS, format)
         if prompt_len == 0:
             raise InvalidCountError("prompt_len must be >= 1")
         self.requests[rid] = self.live[rid] = EngineRequest(

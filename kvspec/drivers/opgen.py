@@ -327,12 +327,12 @@ class OpGenerator:
 
     def add(self, engine: Engine) -> Op:
         """A new request of a random family: 0-6 full blocks plus 0, 1 or any number of tokens, and
-        from no output token to two blocks of them."""
+        from one output token (vLLM's least ``max_tokens``) to two blocks of them."""
         c, b = self.choices, self.config.block_size
         blocks = c.integer(0, MAX_PROMPT_BLOCKS)
         extra = c.pick((0, 0, 1, 1, c.integer(1, b)))
         return {"op": "add", "rid": f"r{engine.num_added}", "family": c.integer(0, self.num_families - 1),
-                "prompt_len": max(1, blocks * b + extra), "max_tokens": c.pick((0, 1, 1, 2, 3, b, b + 2, 2 * b))}
+                "prompt_len": max(1, blocks * b + extra), "max_tokens": c.pick((1, 1, 1, 2, 3, b, b + 2, 2 * b))}
 
     def step(self, engine: Engine) -> Op:
         """Preempt some running requests, admit some waiting or preempted ones (with

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvspec.adapters.vllm_scheduler import SchedulerOptions, StepObservation, VllmScheduler
-from kvspec.contract.checks import check_count
+from kvspec.contract.checks import check_count, check_max_tokens
 from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import (
     InvalidCountError,
@@ -88,8 +88,9 @@ class VllmSchedulerDriver:
 
     # -- operations --------------------------------------------------------------------------
 
-    def op_add(self, rid: str, family: int, prompt_len: int, max_tokens: int = 4) -> None:
-        """A new request with the engine's prompt for ``family``."""
+    def op_add(self, rid: str, family: int, prompt_len: int, max_tokens: int = 4,
+               format: int | None = None) -> None:
+        """A new request with the engine's prompt for ``family`` (``max_tokens`` as ``Engine.op_add``)."""
         if not isinstance(rid, str) or not rid or len(rid) > MAX_REQUEST_ID:
             raise InvalidOperationError(f"request id must be a string of 1..{MAX_REQUEST_ID} characters, "
                                         f"got {echo(rid)}")
@@ -97,7 +98,7 @@ class VllmSchedulerDriver:
             raise InvalidOperationError(f"request {echo(rid)} already exists")
         check_count(family, "family")
         check_count(prompt_len, "prompt_len", MAX_PROMPT_TOKENS)
-        check_count(max_tokens, "max_tokens", MAX_PROMPT_TOKENS)
+        check_max_tokens(max_tokens, MAX_PROMPT_TOKENS, format)
         if prompt_len == 0:
             raise InvalidCountError("prompt_len must be >= 1")
         self.serial[rid] = len(self.serial)

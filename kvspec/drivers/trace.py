@@ -7,11 +7,17 @@ rejected carries ``"expect": "error"``. Blank lines are skipped (and counted).
 
 Header keys (every one but ``kvspec_trace`` and ``config`` optional):
 
-- ``kvspec_trace``: the format version, 1 to 3. Version 1 files are read as they always were
-  (unknown header keys ignored); versions 2 and 3 refuse unknown header keys. Versions 1 and 2
+- ``kvspec_trace``: the format version, 1 to 4. Version 1 files are read as they always were
+  (unknown header keys ignored); versions 2 to 4 refuse unknown header keys. Versions 1 and 2
   were written before the engine modelled async scheduling: their operations ran under
   synchronous scheduling, so a config without ``async_scheduling`` is read as ``false`` there
-  (version 3 writes the key; absent, it takes the constructor's default, true).
+  (version 3 writes the key; absent, it takes the constructor's default, true). Versions 1 to 3
+  allowed ``add`` with ``max_tokens: 0``, a request that samples no token (synchronous
+  scheduling holds it, blocks and all, until ``finish``), which vLLM's ``SamplingParams`` refuses
+  (at least 1). Version 4 refuses it, unless the line says it comes from an older format:
+  the reader marks each such line of a version 1-3 file ``"format": 3`` (so a trace shrunk
+  from it and written as version 4 keeps the request's meaning), and the engine accepts
+  ``max_tokens: 0`` only with that mark.
 - ``config``: an ``OffloadConfig`` as ``to_json`` writes it, read strictly (``from_json``).
 - ``target``: a string of at most 200 characters (default ``"model"``); ``seed``: an integer or
   null; ``note``: a string of at most 10,000 characters.
@@ -41,8 +47,9 @@ from kvspec.contract.config import OffloadConfig
 from kvspec.contract.errors import ConfigError, TraceError, echo
 from kvspec.contract.schema_check import no_duplicate_keys
 
-TRACE_VERSION = 3  # written; versions 1..TRACE_VERSION are read
+TRACE_VERSION = 4  # written; versions 1..TRACE_VERSION are read
 SYNC_ONLY_VERSION = 2  # the last version written before async scheduling was modelled
+ZERO_OUTPUT_VERSION = 3  # the last version that allowed ``add`` with ``max_tokens: 0``
 MAX_INT = 1 << 20
 MAX_LIST = 4096
 MAX_LINE = 1 << 20  # characters in one line, newline excluded
@@ -56,12 +63,14 @@ INVARIANT_ID = re.compile(r"[ICR][0-9]{1,6}")  # I and C: the catalogue; R1: ref
 FINDING_KINDS = ("violation", "crash", "divergence", "expectation")
 HEADER_KEYS = {1: ("kvspec_trace", "config", "target", "seed", "note"),
                2: ("kvspec_trace", "config", "target", "seed", "note", "oracle", "finding"),
-               3: ("kvspec_trace", "config", "target", "seed", "note", "oracle", "finding")}
+               3: ("kvspec_trace", "config", "target", "seed", "note", "oracle", "finding"),
+               4: ("kvspec_trace", "config", "target", "seed", "note", "oracle", "finding")}
 _FINDING_KEYS = ("kind", "op_index", "invariant", "exception")
 
 # op name -> {arg: (type, required)}
 OP_ARGS: dict[str, dict[str, tuple[type, bool]]] = {
-    "add": {"rid": (str, True), "family": (int, True), "prompt_len": (int, True), "max_tokens": (int, False)},
+    "add": {"rid": (str, True), "family": (int, True), "prompt_len": (int, True), "max_tokens": (int, False),
+            "format": (int, False)},
     "step": {"admit": (list, False), "chunk": (int, False), "preempt": (list, False), "resume": (str, False),
              "budget": (int, False), "accept": (int, False)},
     "report": {"event": (int, True), "count": (int, False)},
@@ -123,8 +132,10 @@ def _check_value(value: Any, typ: type, line: int, what: str) -> None:
         raise TraceError(line, f"{what} must be a {typ.__name__}, got {echo(value)}")
 
 
-def parse_op(obj: Any, line: int) -> dict[str, Any]:
-    """Check one operation line's shape (names and types, not state)."""
+def parse_op(obj: Any, line: int, version: int = TRACE_VERSION) -> dict[str, Any]:
+    """Check one operation line's shape (names and types, not state) as format ``version`` has it.
+    An ``add`` with ``max_tokens: 0`` is marked ``"format": 3`` in a version 1-3 file and refused
+    in a version 4 line without that mark (see the module doc)."""
     if not isinstance(obj, dict):
         raise TraceError(line, f"an operation must be a JSON object, got {echo(obj)}")
     if "op" not in obj:
@@ -146,7 +157,29 @@ def parse_op(obj: Any, line: int) -> dict[str, Any]:
             raise TraceError(line, f"operation {name} needs argument {arg!r}")
     if "expect" in obj and (not isinstance(obj["expect"], str) or obj["expect"] not in ("ok", "error")):
         raise TraceError(line, f"expect must be \"ok\" or \"error\", got {echo(obj['expect'])}")
-    return dict(obj)
+    op = dict(obj)
+    if name == "add":
+        _check_add_format(op, line, version)
+    return op
+
+
+def _check_add_format(op: dict[str, Any], line: int, version: int) -> None:
+    """``add.format``: 1..ZERO_OUTPUT_VERSION, and only on a ``max_tokens: 0`` line; a version 1-3
+    file's ``max_tokens: 0`` gains the mark, a version 4 line without it is refused (in place)."""
+    mark = op.get("format")
+    if mark is not None and not 1 <= mark <= ZERO_OUTPUT_VERSION:
+        raise TraceError(line, f"add.format = {echo(mark)}: only a line from trace format 1..{ZERO_OUTPUT_VERSION} "
+                         "carries it")
+    if op.get("max_tokens", 1) != 0:
+        if mark is not None:
+            raise TraceError(line, "add.format marks only a request with max_tokens 0 (formats 1-3)")
+        return
+    if version <= ZERO_OUTPUT_VERSION:
+        op.setdefault("format", version)
+    elif mark is None:
+        raise TraceError(line, "add.max_tokens = 0: vLLM needs at least 1 (SamplingParams); trace formats 1-3 "
+                         "allowed 0 for a request that samples no token, which a version 4 line marks "
+                         "with \"format\": 3")
 
 
 def _check_string(value: Any, line: int, what: str, limit: int) -> str:
@@ -327,7 +360,7 @@ class TraceStream:
             if record is None:
                 self._check_finding_index()
                 return
-            op = parse_op(record[1], record[0])
+            op = parse_op(record[1], record[0], self.version)
             self.ops_read += 1
             yield op
 
