@@ -24,6 +24,11 @@ SHIPPED = {
     "impl-repair-self-eviction.json": (["self-eviction.jsonl", "--target", "impl"], [([], 0)]),
     "model-repair-async-drafts.json": (["window-on-drafts.jsonl", "--target", "model"], [([], 0)]),
     "bug-pin-leak.json": (["pin-leak.jsonl"], [([], 1)]),
+    "offloading-lru-model.json": (["offloading/lru-evicts-newest.jsonl", "--target", "offloading"], [([], 0)]),
+    "offloading-arc-impl.json": (["offloading/arc-untrimmed-ghosts.jsonl", "--target", "offloading-impl"],
+                                 [([], 0)]),
+    "offloading-bug-evict-pinned.json": (["offloading/offloading-evict-pinned.jsonl"],
+                                         [([], 1), (["--oracle", "O5"], 1), (["--oracle", "O9,O10"], 0)]),
 }
 
 

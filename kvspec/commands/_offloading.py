@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.adapters.targets import get_offloading_factory
-from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, TraceError
+from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, KVSpecError, TraceError
 from kvspec.contract.offloading import POLICIES
 from kvspec.drivers import offloading_fuzz as ofz
 from kvspec.oracle.catalogue import MANAGER_INVARIANTS, OFFLOADING_CATALOGUE
@@ -162,6 +162,42 @@ def trace_is_offloading(path: str) -> bool:
     except (OSError, ValueError):
         return False
 
+
+def snapshot(args: argparse.Namespace) -> int:
+    """``kvspec snapshot`` of a second-manager trace: replay it on the target with the driver
+    (``--at N``: after operation N) and write the driver's snapshot (the target's, plus what the
+    driver observed), the file ``check-snapshot`` reads as ``offloading-snapshot.schema.json``.
+    Refused operations change nothing and are counted; a crash writes nothing (exit 1)."""
+    from kvspec.contract.snapshot_io import FORMAT_VERSION, dump_snapshot
+    from kvspec.drivers.offloading import Driver
+
+    try:
+        with open(args.trace) as fh:
+            tr = ofz.read_trace(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {args.trace!r}: {exc.strerror or exc}") from None
+    target = args.target or tr.target
+    if args.at is not None and args.at >= len(tr.ops):
+        raise ConfigError(f"--at {args.at}: the trace has {len(tr.ops)} operation(s)")
+    driver = Driver(get_offloading_factory(target)(tr.config))
+    ops = tr.ops if args.at is None else tr.ops[:args.at + 1]
+    rejected = 0
+    for i, op in enumerate(ops):
+        try:
+            driver.apply(op)
+        except KVSpecError:
+            rejected += 1
+        except Exception as exc:  # the target's crash: there is no state to show
+            print(f"kvspec snapshot: {target} crashed at operation {i} ({type(exc).__name__}: "
+                  f"{str(exc)[:200]}); nothing written", file=sys.stderr)
+            return EXIT_FINDING
+    try:
+        dump_snapshot(driver.snapshot(), args.out)
+    except OSError as exc:
+        raise ConfigError(f"--out {args.out!r:.200}: cannot write the snapshot: {exc.strerror or exc}") from None
+    print(f"{args.out}: snapshot of {target} (offloading manager) after {len(ops)} operation(s) "
+          f"({rejected} rejected), format version {FORMAT_VERSION}")
+    return EXIT_CLEAN
 
 
 # -- kvspec history --manager offloading ---------------------------------------------------------

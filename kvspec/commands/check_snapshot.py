@@ -1,11 +1,16 @@
 """``kvspec check-snapshot FILE``: validate a snapshot file and check an oracle's invariants on it.
 
-Any engine that can dump its state in kvspec's snapshot format
-(``kvspec/contract/schema/snapshot.schema.json``) can be checked this way, without kvspec's
-model. The oracle (``--oracle``; ``kvspec.oracle.oracles``, ``kvspec.adapters.claims``) is by
-default what the snapshot's policy (``scheduler.policy``) claims under the configuration in
-``engine.config``; without an ``engine`` section, the claims that hold under every
-configuration and need no engine view.
+Any engine that can dump its state in kvspec's snapshot format can be checked this way,
+without kvspec's model: the first manager's (SimpleCPUOffload,
+``kvspec/contract/schema/snapshot.schema.json``) or, for a snapshot with ``"manager":
+"offloading"``, the second manager's (vLLM's CPUOffloadingManager,
+``offloading-snapshot.schema.json``; its oracle is O1-O10, and the invariants that read what a
+driver observed, O2-O6 and O8, are skipped without the ``observed`` section).
+
+For the first manager the oracle (``--oracle``; ``kvspec.oracle.oracles``,
+``kvspec.adapters.claims``) is by default what the snapshot's policy (``scheduler.policy``)
+claims under the configuration in ``engine.config``; without an ``engine`` section, the claims
+that hold under every configuration and need no engine view.
 ``--oracle all`` is the whole catalogue; ``--oracle I1,I3`` (or ``--ids I1,I3``) exactly those.
 
 The file is read whole, up to ``--max-mb`` megabytes (256 by default; a larger file, or an
@@ -15,7 +20,8 @@ endless one such as ``/dev/zero``, is refused without reading further). Snapshot
 Exit codes: 0 nothing violated; 1 violations (one line each: id, message, requests and
 blocks involved); 2 the file is unreadable, too large or malformed (one line naming the field and
 why), or the arguments are wrong, or an explicitly named invariant needs the ``engine``
-section the snapshot lacks (``claims`` and ``all`` skip those and say so).
+(``observed``) section the snapshot lacks (``claims`` and ``all`` skip those and say so), or
+belongs to the other manager.
 """
 
 from __future__ import annotations
@@ -37,7 +43,14 @@ from kvspec.contract.errors import (
 )
 from kvspec.contract.snapshot_io import MAX_SNAPSHOT_BYTES, load_snapshot
 from kvspec.oracle import oracles
-from kvspec.oracle.catalogue import CATALOGUE, Violation
+from kvspec.oracle.catalogue import (
+    CATALOGUE,
+    CATALOGUES,
+    CONNECTOR_INVARIANTS,
+    MANAGER_INVARIANTS,
+    Violation,
+    manager_of,
+)
 
 NAME = "check-snapshot"
 HELP = "validate a snapshot file and check an oracle's invariants on it (exit 0 clean, 1 violations, 2 bad input)"
@@ -104,12 +117,26 @@ def _claims_without_engine(policy: str) -> oracles.Oracle:
     return oracles.Oracle(f"claims of {policy} (any configuration: no engine section)", ids_t)
 
 
+def _view(snapshot: dict[str, Any]) -> str:
+    """The optional section that the invariants with ``needs_engine`` read: ``engine`` for the
+    first manager, ``observed`` (what a driver saw) for the offloading manager."""
+    return "observed" if manager_of(snapshot) == "offloading" else "engine"
+
+
 def choose_oracle(snapshot: dict[str, Any], spec: str | None, option: str = "--oracle") -> oracles.Oracle:
     """The oracle ``spec`` names for ``snapshot`` (already validated). ``ConfigError`` for an
-    explicit id list with ids that need the engine section the snapshot lacks."""
-    has_engine = "engine" in snapshot
-    if spec is None or spec == "claims":
-        if has_engine:
+    explicit id list with ids of the other manager, or that need the section the snapshot lacks."""
+    manager = manager_of(snapshot)
+    if manager == "offloading":
+        if spec in (None, "claims", "all"):
+            return oracles.Oracle(f"{spec or 'claims'} of the offloading manager", MANAGER_INVARIANTS)
+        ids = oracles.parse_ids(spec, option, "offloading")
+        connector = [i for i in ids if i in CONNECTOR_INVARIANTS]
+        if connector:
+            raise ConfigError(f"{option}: {', '.join(connector)} judge the OffloadingConnector harness's connector "
+                              "section, which a snapshot file does not carry")
+    elif spec is None or spec == "claims":
+        if "engine" in snapshot:
             from kvspec.contract.config import OffloadConfig
 
             try:
@@ -118,30 +145,34 @@ def choose_oracle(snapshot: dict[str, Any], spec: str | None, option: str = "--o
                 raise SnapshotFormatError(f"engine.config: not a valid configuration: {exc}") from None
             return claimed.resolve(None, cfg)
         return _claims_without_engine(snapshot["scheduler"]["policy"])
-    if spec == "all":
+    elif spec == "all":
         return oracles.Oracle("all", oracles.catalogue_ids())
-    ids = oracles.parse_ids(spec, option)
-    if not has_engine:
-        need = [i for i in ids if CATALOGUE[i].needs_engine]
+    else:
+        ids = oracles.parse_ids(spec, option)
+    view, catalogue = _view(snapshot), CATALOGUES[manager]
+    if view not in snapshot:
+        need = [i for i in ids if catalogue[i].needs_engine]
         if need:
-            raise ConfigError(f"{option}: {', '.join(need)} need(s) the engine section, which this snapshot "
-                              "does not have (give a snapshot with an engine section, or leave them out)")
+            raise ConfigError(f"{option}: {', '.join(need)} need(s) the {view} section, which this snapshot "
+                              "does not have (give a snapshot with it, or leave them out)")
     return oracles.Oracle(",".join(ids), ids)
 
 
 def check_snapshot(snapshot: dict[str, Any], ids: list[str] | tuple[str, ...]
                    ) -> tuple[list[Violation], list[str], list[str]]:
-    """(violations, ids checked, ids skipped because they need the engine section).
+    """(violations, ids checked, ids skipped because they need the section the snapshot lacks:
+    ``engine``, or ``observed`` for the offloading manager).
 
     Each invariant runs on its own; one that cannot evaluate the snapshot (a rule the
     format validation does not cover) is reported as a format error, not a traceback.
     """
-    has_engine = "engine" in snapshot
+    has_engine = _view(snapshot) in snapshot
+    catalogue = CATALOGUES[manager_of(snapshot)]
     violations: list[Violation] = []
     checked: list[str] = []
     skipped: list[str] = []
     for id_ in ids:
-        inv = CATALOGUE[id_]
+        inv = catalogue[id_]
         if inv.needs_engine and not has_engine:
             skipped.append(id_)
             continue
@@ -185,9 +216,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--ids and --oracle: give one of them (--ids I1,I3 is --oracle I1,I3)")
         spec, option = (args.ids, "--ids") if args.ids is not None else (args.oracle, "--oracle")
         if args.ids is not None:
-            oracles.parse_ids(args.ids, "--ids")  # an id list only: 'claims' and 'all' are --oracle's
-        else:
-            oracles.check_spec(spec)
+            oracles.parse_ids(args.ids, "--ids", None)  # ids of either manager; matched to the snapshot's below
+        elif spec not in (None, "claims", "all"):
+            oracles.parse_ids(spec, "--oracle", None)
         snapshot = load_snapshot(args.file, args.max_mb << 20)
         oracle = choose_oracle(snapshot, spec, option)
         violations, checked, skipped = check_snapshot(snapshot, oracle.ids)
@@ -203,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FINDING if violations else EXIT_CLEAN
     for v in violations:
         print(_line(v))
-    note = f"; skipped {', '.join(skipped)} (they need the engine section)" if skipped else ""
+    note = f"; skipped {', '.join(skipped)} (they need the {_view(snapshot)} section)" if skipped else ""
     summary = f"oracle {oracle.name}: {len(checked)} invariant(s) checked{note}"
     where = _show_file(str(args.file))
     if violations:

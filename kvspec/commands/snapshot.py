@@ -7,7 +7,11 @@ inclusive). The target is ``--target`` or the one the trace header names: ``mode
 ``bug:<name>``, or a real vLLM manager through kvspec's adapter (``vllm``, ``vllm+pr47235``,
 ``vllm+repair``, ``vllm@VERSION``; in the venv that holds it). Operations the target rejects
 cleanly change nothing and are counted; a crash of the target writes nothing (exit 1).
-No invariant is checked here: ``kvspec check-snapshot FILE`` does that.
+No invariant is checked here: ``kvspec check-snapshot FILE`` does that. A trace of the offloading
+manager (header ``"manager": "offloading"``) is replayed with that manager's driver and written
+in its format (``offloading-snapshot.schema.json``: the target's state and what the driver
+observed); its targets are ``offloading``, ``offloading-impl``, ``vllm-offloading[@VERSION]``
+and ``bug:<name>``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", metavar="TRACE")
     p.add_argument("--out", required=True, metavar="FILE", help="the snapshot file to write")
     p.add_argument("--target", default=None,
-                   help="model, impl, bug:<name> or a real vLLM target (default: the trace header's)")
+                   help="model, impl, bug:<name> or a real vLLM target; for an offloading-manager trace "
+                        "offloading, offloading-impl, vllm-offloading[@VERSION] or bug:<name> "
+                        "(default: the trace header's)")
     p.add_argument("--at", type=int, default=None, metavar="N",
                    help="the snapshot after operation N (0-based; default: after the last)")
 
@@ -39,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.at is not None and args.at < 0:
         raise ConfigError(f"--at must be an operation index >= 0, got {args.at}")
+    from kvspec.commands import _offloading as offloading
+
+    if offloading.trace_is_offloading(args.trace):
+        return offloading.snapshot(args)
     with trace_io.open_trace(args.trace) as tr:
         name = args.target or header_target(tr.target)
         engine = Engine(get_factory(name)(tr.config))

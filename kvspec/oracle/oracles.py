@@ -25,19 +25,30 @@ class Oracle:
         return {"name": self.name, "ids": list(self.ids)}
 
 
-def catalogue_ids() -> tuple[str, ...]:
-    from kvspec.oracle.catalogue import CATALOGUE
+def catalogue_ids(manager: str | None = "simple") -> tuple[str, ...]:
+    """The ids of ``manager``'s catalogue (``simple``: the first manager's; ``offloading``: the
+    second's); None: every manager's, the first manager's first."""
+    from kvspec.oracle.catalogue import CATALOGUES
 
-    return tuple(CATALOGUE)
+    if manager is None:
+        return tuple(i for cat in CATALOGUES.values() for i in cat)
+    return tuple(CATALOGUES[manager])
 
 
-def parse_ids(text: str, what: str = "--oracle") -> tuple[str, ...]:
-    """Comma-separated catalogue ids, each known; ``ConfigError`` naming the unknown ones."""
-    known = catalogue_ids()
+def parse_ids(text: str, what: str = "--oracle", manager: str | None = "simple") -> tuple[str, ...]:
+    """Comma-separated ids of ``manager``'s catalogue (None: of any manager's), each known;
+    ``ConfigError`` naming the unknown ones."""
+    known = catalogue_ids(manager)
     ids = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     unknown = [i for i in ids if i not in known]
     if not ids or unknown:
-        why = f"unknown invariant id(s) {', '.join(echo(u, 20) for u in unknown[:5])}" if unknown else "no ids given"
+        other = [u for u in unknown if manager is not None and u in catalogue_ids(None)]
+        if other:
+            why = f"{', '.join(other[:5])} belong(s) to the other manager's catalogue, not the {manager} manager's"
+        elif unknown:
+            why = f"unknown invariant id(s) {', '.join(echo(u, 20) for u in unknown[:5])}"
+        else:
+            why = "no ids given"
         raise ConfigError(f"{what}: {why}; known: claims, all, or ids among {', '.join(known)}")
     return ids
 
