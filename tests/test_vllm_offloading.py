@@ -17,6 +17,7 @@ Marked ``vllm``; skipped, with the reason, where vLLM 0.33.0 cannot be imported.
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,9 @@ import pytest
 from kvspec.adapters.targets import get_offloading_factory
 from kvspec.contract.errors import ConfigError, KVSpecError
 from kvspec.contract.offloading import OffloadingConfig
+from kvspec.contract.snapshot_io import snapshot_issues
 from kvspec.drivers import offloading_fuzz as ofz
+from kvspec.drivers.offloading import Driver, Generator
 from kvspec.model.offloading import OffloadingManager, make_offloading_manager
 from kvspec.model.offloading.arc import ARCPolicy
 from kvspec.model.offloading.lru import LRUPolicy
@@ -65,6 +68,26 @@ def test_vllm_offloading_manager_agrees_with_the_model_after_every_operation() -
 def test_vllm_satisfies_every_offloading_invariant_on_generated_traces() -> None:
     res = ofz.fuzz(_vllm, budget=20.0, seed=5, oracle=tuple(OFFLOADING_CATALOGUE))
     assert res.finding is None and res.traces > 20
+
+
+def test_every_snapshot_of_vllms_manager_follows_the_offloading_format() -> None:
+    """What check-snapshot reads: vLLM's own manager, read by the adapter after every operation of
+    generated traces (both policies, thresholds), has no format issue."""
+    checked = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        cfg = ofz.random_offloading_config(rng)
+        driver, gen = Driver(_vllm(cfg)), Generator(rng)
+        for _ in range(40):
+            for op in gen.next_ops():
+                try:
+                    result = driver.apply(op)
+                except KVSpecError:
+                    continue
+                gen.feed(op, result)
+                assert snapshot_issues(driver.snapshot()) == [], (seed, op)
+                checked += 1
+    assert checked > 300
 
 
 class _LRUTouchUnreversed(LRUPolicy):
