@@ -6,20 +6,18 @@ field, and the oracle matched to the snapshot's manager."""
 from __future__ import annotations
 
 import json
-import random
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from offloading_kit import generated_snapshots
 
 from kvspec.adapters.targets import get_offloading_factory
 from kvspec.cli import main
-from kvspec.contract.errors import KVSpecError
 from kvspec.contract.snapshot_io import parse_snapshot, snapshot_issues
 from kvspec.drivers import offloading_fuzz as ofz
-from kvspec.drivers.offloading import Driver, Generator
 
 ROOT = Path(__file__).resolve().parent.parent
 TRACES = sorted((ROOT / "tests" / "traces" / "offloading").glob("*.jsonl"))
@@ -58,23 +56,11 @@ def test_a_snapshot_file_shows_the_finding_its_trace_records(trace: Path, tmp_pa
 def test_every_snapshot_the_targets_write_follows_the_format(target: str) -> None:
     """Random connector-shaped traces, both policies, thresholds: after every operation the
     driver's snapshot (target state and observations) has no format issue."""
-    factory = get_offloading_factory(target)
     seen_ops: set[str] = set()
-    for seed in range(24):
-        rng = random.Random(seed)
-        cfg = ofz.random_offloading_config(rng)
-        driver, gen = Driver(factory(cfg)), Generator(rng)
-        for _ in range(40):
-            for op in gen.next_ops():
-                try:
-                    result = driver.apply(op)
-                except KVSpecError:
-                    continue
-                gen.feed(op, result)
-                snap = driver.snapshot()
-                seen_ops.add(snap["observed"]["last"].get("op", ""))
-                assert snapshot_issues(snap) == [], (seed, op)
-                assert snapshot_issues({k: v for k, v in snap.items() if k != "observed"}) == []
+    for seed, op, snap in generated_snapshots(get_offloading_factory(target), range(24)):
+        seen_ops.add(snap["observed"]["last"].get("op", ""))
+        assert snapshot_issues(snap) == [], (seed, op)
+        assert snapshot_issues({k: v for k, v in snap.items() if k != "observed"}) == []
     assert {"lookup", "load", "store", "store_done", "new", "positions"} <= seen_ops
 
 

@@ -17,18 +17,17 @@ Marked ``vllm``; skipped, with the reason, where vLLM 0.33.0 cannot be imported.
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+from offloading_kit import generated_snapshots
 
 from kvspec.adapters.targets import get_offloading_factory
 from kvspec.contract.errors import ConfigError, KVSpecError
 from kvspec.contract.offloading import OffloadingConfig
 from kvspec.contract.snapshot_io import snapshot_issues
 from kvspec.drivers import offloading_fuzz as ofz
-from kvspec.drivers.offloading import Driver, Generator
 from kvspec.model.offloading import OffloadingManager, make_offloading_manager
 from kvspec.model.offloading.arc import ARCPolicy
 from kvspec.model.offloading.lru import LRUPolicy
@@ -74,19 +73,9 @@ def test_every_snapshot_of_vllms_manager_follows_the_offloading_format() -> None
     """What check-snapshot reads: vLLM's own manager, read by the adapter after every operation of
     generated traces (both policies, thresholds), has no format issue."""
     checked = 0
-    for seed in range(12):
-        rng = random.Random(seed)
-        cfg = ofz.random_offloading_config(rng)
-        driver, gen = Driver(_vllm(cfg)), Generator(rng)
-        for _ in range(40):
-            for op in gen.next_ops():
-                try:
-                    result = driver.apply(op)
-                except KVSpecError:
-                    continue
-                gen.feed(op, result)
-                assert snapshot_issues(driver.snapshot()) == [], (seed, op)
-                checked += 1
+    for seed, op, snap in generated_snapshots(_vllm, range(12)):
+        assert snapshot_issues(snap) == [], (seed, op)
+        checked += 1
     assert checked > 300
 
 

@@ -113,13 +113,18 @@ def fuzz(args: argparse.Namespace) -> int:
     return EXIT_FINDING if res.finding is not None else EXIT_CLEAN
 
 
+def _read_trace(path: str) -> ofz.OffloadingTrace:
+    """A second-manager trace file; ``ConfigError`` when it cannot be read, ``TraceError`` when malformed."""
+    try:
+        with open(path) as fh:
+            return ofz.read_trace(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path!r}: {exc.strerror or exc}") from None
+
+
 def replay(args: argparse.Namespace) -> int:
     _refuse_first_manager_options(args, ("raw", "refine", "explain", "html", "against"))
-    try:
-        with open(args.trace) as fh:
-            tr = ofz.read_trace(fh)
-    except OSError as exc:
-        raise ConfigError(f"cannot read {args.trace!r}: {exc.strerror or exc}") from None
+    tr = _read_trace(args.trace)
     target = args.target or tr.target
     factory = get_offloading_factory(target)
     if args.oracle is None:
@@ -168,14 +173,10 @@ def snapshot(args: argparse.Namespace) -> int:
     (``--at N``: after operation N) and write the driver's snapshot (the target's, plus what the
     driver observed), the file ``check-snapshot`` reads as ``offloading-snapshot.schema.json``.
     Refused operations change nothing and are counted; a crash writes nothing (exit 1)."""
-    from kvspec.contract.snapshot_io import FORMAT_VERSION, dump_snapshot
+    from kvspec.commands.snapshot import report_crash, write_snapshot
     from kvspec.drivers.offloading import Driver
 
-    try:
-        with open(args.trace) as fh:
-            tr = ofz.read_trace(fh)
-    except OSError as exc:
-        raise ConfigError(f"cannot read {args.trace!r}: {exc.strerror or exc}") from None
+    tr = _read_trace(args.trace)
     target = args.target or tr.target
     if args.at is not None and args.at >= len(tr.ops):
         raise ConfigError(f"--at {args.at}: the trace has {len(tr.ops)} operation(s)")
@@ -188,16 +189,8 @@ def snapshot(args: argparse.Namespace) -> int:
         except KVSpecError:
             rejected += 1
         except Exception as exc:  # the target's crash: there is no state to show
-            print(f"kvspec snapshot: {target} crashed at operation {i} ({type(exc).__name__}: "
-                  f"{str(exc)[:200]}); nothing written", file=sys.stderr)
-            return EXIT_FINDING
-    try:
-        dump_snapshot(driver.snapshot(), args.out)
-    except OSError as exc:
-        raise ConfigError(f"--out {args.out!r:.200}: cannot write the snapshot: {exc.strerror or exc}") from None
-    print(f"{args.out}: snapshot of {target} (offloading manager) after {len(ops)} operation(s) "
-          f"({rejected} rejected), format version {FORMAT_VERSION}")
-    return EXIT_CLEAN
+            return report_crash(target, i, exc)
+    return write_snapshot(driver.snapshot(), args.out, f"{target} (offloading manager)", len(ops), rejected)
 
 
 # -- kvspec history --manager offloading ---------------------------------------------------------

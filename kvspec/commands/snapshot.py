@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from kvspec.adapters.targets import get_factory
 from kvspec.commands.replay import header_target
@@ -61,16 +62,27 @@ def run(args: argparse.Namespace) -> int:
             except KVSpecError:
                 rejected += 1
             except Exception as exc:  # the target's crash: there is no state to show
-                print(f"kvspec snapshot: {name} crashed at operation {i} ({type(exc).__name__}: "
-                      f"{str(exc)[:200]}); nothing written", file=sys.stderr)
-                return EXIT_FINDING
+                return report_crash(name, i, exc)
             applied += 1
         if args.at is not None and args.at >= applied:
             raise ConfigError(f"--at {args.at}: the trace has {applied} operation(s)")
+    return write_snapshot(engine.snapshot(), args.out, name, applied, rejected)
+
+
+def report_crash(target: str, index: int, exc: Exception) -> int:
+    """A target crashed at operation ``index``: one line, nothing written, exit 1."""
+    print(f"kvspec snapshot: {target} crashed at operation {index} ({type(exc).__name__}: "
+          f"{str(exc)[:200]}); nothing written", file=sys.stderr)
+    return EXIT_FINDING
+
+
+def write_snapshot(snapshot: dict[str, Any], out: str, what: str, applied: int, rejected: int) -> int:
+    """Write ``snapshot`` (validated first) to ``out`` and say so; exit 0. ``ConfigError`` when the
+    file cannot be written."""
     try:
-        dump_snapshot(engine.snapshot(), args.out)
+        dump_snapshot(snapshot, out)
     except OSError as exc:
-        raise ConfigError(f"--out {echo(args.out)}: cannot write the snapshot: {exc.strerror or exc}") from None
-    print(f"{args.out}: snapshot of {name} after {applied} operation(s) ({rejected} rejected), "
+        raise ConfigError(f"--out {echo(out)}: cannot write the snapshot: {exc.strerror or exc}") from None
+    print(f"{out}: snapshot of {what} after {applied} operation(s) ({rejected} rejected), "
           f"format version {FORMAT_VERSION}")
     return EXIT_CLEAN

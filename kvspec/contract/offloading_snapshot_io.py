@@ -18,13 +18,11 @@ one pass over the LRU order.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from functools import cache
-from importlib import resources
 from typing import Any
 
-from kvspec.contract.schema_check import FormatIssue, SchemaValidator, depth_issue, unsupported_keywords
+from kvspec.contract.schema_check import FormatIssue, SchemaValidator, depth_issue, packaged_schema
 
 SCHEMA_RESOURCE = "offloading-snapshot.schema.json"
 MAX_DEPTH = 64  # as the first manager's format (this one needs six levels)
@@ -39,12 +37,7 @@ DEF_NOUNS = {
 @cache
 def load_offloading_schema() -> dict[str, Any]:
     """The offloading snapshot schema shipped with kvspec (checked to use only supported keywords)."""
-    text = resources.files("kvspec.contract").joinpath("schema", SCHEMA_RESOURCE).read_text(encoding="utf-8")
-    schema: dict[str, Any] = json.loads(text)
-    unsupported = sorted(unsupported_keywords(schema))
-    if unsupported:
-        raise RuntimeError(f"offloading snapshot schema uses keywords the validator does not implement: {unsupported}")
-    return schema
+    return packaged_schema(SCHEMA_RESOURCE)
 
 
 @cache

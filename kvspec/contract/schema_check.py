@@ -395,6 +395,19 @@ class _ObjectRules:
         return self.extra is not False and self.extra(sub)
 
 
+def packaged_schema(resource: str) -> dict[str, Any]:
+    """The schema file ``resource`` shipped in ``kvspec/contract/schema/``, refused
+    (``RuntimeError``) if it uses a keyword the validator does not implement."""
+    from importlib import resources
+
+    text = resources.files("kvspec.contract").joinpath("schema", resource).read_text(encoding="utf-8")
+    schema: dict[str, Any] = json.loads(text)
+    unsupported = sorted(unsupported_keywords(schema))
+    if unsupported:
+        raise RuntimeError(f"{resource} uses keywords the validator does not implement: {unsupported}")
+    return schema
+
+
 class SchemaValidator:
     """Validates values against ``root`` (a schema using only ``SUPPORTED_KEYWORDS``, with local
     ``#/$defs/...`` references). ``def_nouns`` names what a referenced definition expects in

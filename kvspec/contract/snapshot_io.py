@@ -35,7 +35,6 @@ import stat
 import sys
 from collections.abc import Iterator
 from functools import cache
-from importlib import resources
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -50,9 +49,9 @@ from kvspec.contract.schema_check import (
     fmt_path,
     no_constant,
     no_duplicate_keys,
+    packaged_schema,
     show,
     too_deep,
-    unsupported_keywords,
 )
 
 SCHEMA_RESOURCE = "snapshot.schema.json"
@@ -87,12 +86,7 @@ DEF_NOUNS = {
 @cache
 def load_schema() -> dict[str, Any]:
     """The snapshot schema shipped with kvspec (checked to use only supported keywords)."""
-    text = resources.files("kvspec.contract").joinpath("schema", SCHEMA_RESOURCE).read_text(encoding="utf-8")
-    schema: dict[str, Any] = json.loads(text)
-    unsupported = sorted(unsupported_keywords(schema))
-    if unsupported:
-        raise RuntimeError(f"snapshot schema uses keywords the validator does not implement: {unsupported}")
-    return schema
+    return packaged_schema(SCHEMA_RESOURCE)
 
 
 @cache
