@@ -224,10 +224,9 @@ class TensorOffloadingManager:
                 return None
             protected = torch.zeros(self.pool.num_chunks, dtype=torch.bool, device=self.device)
             protected[slots[slots >= 0]] = True
-            found = self.policy.evict(shortfall, protected)
-            if found is None:
+            victims = self.policy.evict(shortfall, protected)
+            if victims is None:
                 return None
-            victims, _ = found
             self.num_evictable -= victims.numel()
             gone = self.pool.key[victims]
             evicted = self.keys.key_list(gone)
