@@ -57,6 +57,7 @@ class TensorBlockPool:
         self.keys = keys
         self.device = device
         self.ref = torch.zeros(num_blocks, dtype=torch.int64, device=device)
+        self.mark = torch.zeros(num_blocks, dtype=torch.int32, device=device)  # scratch of ``distinct``
         self.key = torch.full((num_blocks,), -1, dtype=torch.int64, device=device)
         self.free = FreeList(num_blocks, torch.arange(1, num_blocks, dtype=torch.int64, device=device), device)
         self.index = PrefixIndex(num_blocks, self.key, device)
@@ -111,29 +112,41 @@ class TensorBlockPool:
             self.free.remove(torch.unique(zero) if zero.numel() > 1 else zero)
         self.ref.index_add_(0, ids, torch.ones_like(ids))
 
+    def distinct(self, ids: torch.Tensor) -> bool:
+        """Whether no block is listed twice in ``ids``: each position writes its index into a
+        scratch column and reads it back (a repeated block reads another position's). O(len)."""
+        pos = torch.arange(ids.numel(), dtype=torch.int32, device=self.device)
+        self.mark[ids] = pos
+        return bool(torch.equal(self.mark.index_select(0, ids), pos))
+
     def free_t(self, ids: torch.Tensor) -> None:
-        """-1 per listing; blocks reaching 0 are queued (unhashed at the head, hashed at the tail)."""
+        """-1 per listing; blocks reaching 0 are queued (unhashed at the head, hashed at the
+        tail), in the order of their last listing. Distinct ``ids`` (the usual case) take a
+        path without the sort that groups repeated listings."""
         n = ids.numel()
         if n == 0:
             return
-        if n == 1:
-            b = ids
-            left = self.ref[b] - 1
-            self.ref[b] = left
-            if bool(left[0] == 0):
-                (self.free.prepend if bool(self.key[b][0] < 0) else self.free.append)(b)
-            return
-        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        left = self.ref[uniq] - counts
-        self.ref[uniq] = left
-        zero = left == 0
-        if not bool(zero.any()):
-            return
-        last = torch.full_like(uniq, -1).scatter_reduce_(
-            0, inverse, torch.arange(n, device=self.device), reduce="amax")
-        zb = uniq[zero]
-        zb = zb[torch.argsort(last[zero])]
-        hashed = self.key[zb] >= 0
+        if n == 1 or self.distinct(ids):
+            left = self.ref.index_select(0, ids) - 1
+            self.ref[ids] = left
+            zero = left == 0
+            if n == 1 and not bool(zero[0]):
+                return
+            zb = torch.masked_select(ids, zero)
+            if zb.numel() == 0:
+                return
+        else:
+            uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+            left = self.ref[uniq] - counts
+            self.ref[uniq] = left
+            zero = left == 0
+            if not bool(zero.any()):
+                return
+            last = torch.full_like(uniq, -1).scatter_reduce_(
+                0, inverse, torch.arange(n, device=self.device), reduce="amax")
+            zb = uniq[zero]
+            zb = zb[torch.argsort(last[zero])]
+        hashed = self.key.index_select(0, zb) >= 0
         self.free.prepend(zb[~hashed])
         self.free.append(zb[hashed])
 
@@ -278,7 +291,7 @@ class TensorBlockPool:
 
     def memory_bytes(self) -> int:
         """Bytes of bookkeeping tensors (payloads excluded)."""
-        ts = [self.ref, self.key, self.free.ring, self.free.position, self.index.nxt, self.index.prv,
+        ts = [self.ref, self.mark, self.key, self.free.ring, self.free.position, self.index.nxt, self.index.prv,
               self.index.first, self.index.last, self.index.stamp]
         return sum(t.numel() * t.element_size() for t in ts)
 

@@ -30,6 +30,7 @@ from kvspec.impl.keys import seed_of
 
 _MIX = (0x9E3779B97F4A7C15 - (1 << 64), 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64))
 CHUNK_BYTES = 1 << 20
+SMALL_COPY_BYTES = 64 << 10  # up to this many bytes a copy skips the search for runs
 
 
 def _payload_from_seeds(seeds: torch.Tensor, block_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -37,13 +38,29 @@ def _payload_from_seeds(seeds: torch.Tensor, block_shape: tuple[int, ...], dtype
     numel = 1
     for d in block_shape:
         numel *= d
-    lane = torch.arange(1, numel + 1, dtype=torch.int64, device=seeds.device)
-    x = seeds.view(-1, 1) + lane.view(1, -1) * _MIX[0]
-    x = (x ^ (x >> 30)) * _MIX[1]
-    x = (x ^ (x >> 27)) * _MIX[2]
-    x = x ^ (x >> 31)
-    vals = ((x >> 40) & 0xFFFF).to(torch.float32) / 32768.0 - 1.0
+    x = seeds.view(-1, 1) + _lanes(numel, seeds.device)
+    x ^= x >> 30
+    x *= _MIX[1]
+    x ^= x >> 27
+    x *= _MIX[2]
+    x ^= x >> 31
+    x >>= 40
+    x &= 0xFFFF
+    vals = x.to(torch.float32).mul_(1.0 / 32768.0).sub_(1.0)  # a power of two: exact, as a division
     return vals.view(-1, *block_shape).to(dtype)
+
+
+_LANES: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _lanes(numel: int, device: torch.device) -> torch.Tensor:
+    """``[1, ..., numel] * _MIX[0]`` as a row (wrapping int64), computed once per size and device."""
+    key = (numel, str(device))
+    lanes = _LANES.get(key)
+    if lanes is None:
+        lanes = (torch.arange(1, numel + 1, dtype=torch.int64, device=device) * _MIX[0]).view(1, -1)
+        _LANES[key] = lanes
+    return lanes
 
 
 def expected_payload(block_hash: str, block_shape: tuple[int, ...] = (2, 8),
@@ -68,7 +85,9 @@ def _as_words(t: torch.Tensor) -> torch.Tensor:
 def copy_blocks(dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor, src_ids: torch.Tensor) -> None:
     """``dst[dst_ids] = src[src_ids]`` for distinct ``dst_ids``, in as few passes over the bytes as possible.
 
-    Runs of consecutive ids on both sides become slice copies. What remains is copied
+    A copy of at most ``SMALL_COPY_BYTES`` between tensors on one device is one gather and
+    one scatter (finding runs would cost more than it saves). Otherwise runs of consecutive
+    ids on both sides become slice copies. What remains is copied
     block by block when a block is large (one memcpy each, so one pass over the bytes;
     on CPU this beats a gather plus a scatter from 16 KiB per block up), else gathered
     and scattered as 64-bit words in cache-sized chunks.
@@ -78,6 +97,9 @@ def copy_blocks(dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor, src
         return
     row = src[0].numel() * src.element_size()
     same_device = src.device == dst.device
+    if n * row <= SMALL_COPY_BYTES and same_device:  # too few bytes for runs to pay: one gather, one scatter
+        dst.index_copy_(0, dst_ids, src.index_select(0, src_ids))
+        return
     if n > 1:
         step = torch.ones(n, dtype=torch.bool, device=dst_ids.device)
         sid = src_ids.to(dst_ids.device)

@@ -107,11 +107,14 @@ class PrefixIndex:
         self.last[kid] = block
 
     def insert_many(self, kids: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Append ``blocks[i]`` under ``kids[i]`` for i in order (blocks distinct, unlisted)."""
+        """Append ``blocks[i]`` under ``kids[i]`` for i in order (blocks distinct, unlisted).
+        Keys all absent and distinct (the usual case) take a path of a few scatters."""
         n = kids.numel()
         if n == 0:
             return
         self.ensure(int(kids.max()) + 1)
+        if self._insert_new(kids, blocks):
+            return
         order = torch.argsort(kids, stable=True)
         sk, sb = kids[order], blocks[order]
         start = torch.ones(n, dtype=torch.bool, device=self.device)
@@ -138,6 +141,23 @@ class PrefixIndex:
             self.stamp[new_k] = self.clock + rank
             self.clock += new_k.numel()
         self.last[sk[end]] = sb[end]
+
+    def _insert_new(self, kids: torch.Tensor, blocks: torch.Tensor) -> bool:
+        """``insert_many`` when no key of ``kids`` is present and none repeats: each block is
+        its key's whole chain, keys stamped in order. False (nothing changed) otherwise. The
+        repeat test writes the blocks into ``last`` and reads them back (a repeated key keeps
+        only one of its blocks)."""
+        if bool((self.last.index_select(0, kids) >= 0).any()):
+            return False
+        self.last[kids] = blocks
+        if not torch.equal(self.last.index_select(0, kids), blocks):
+            self.last[kids] = -1
+            return False
+        self.first[kids] = blocks  # the blocks' links are already -1: unlisted blocks are unlinked
+        n = kids.numel()
+        self.stamp[kids] = torch.arange(self.clock, self.clock + n, dtype=torch.int64, device=self.device)
+        self.clock += n
+        return True
 
     def remove_many(self, blocks: torch.Tensor, kids: torch.Tensor) -> None:
         """Unlink distinct listed ``blocks`` (``kids[i]`` = key of ``blocks[i]``)."""

@@ -74,7 +74,7 @@ def _factories(names: list[str]) -> dict[str, Callable[[OffloadingConfig], Offlo
             try:
                 from kvspec.adapters.vllm_offloading import _import_vllm, make_vllm_offloading_target
 
-                _import_vllm()
+                _import_vllm(None)
             except ConfigError as exc:
                 print(f"vllm: skipped ({exc})")
                 continue

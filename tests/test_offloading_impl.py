@@ -463,8 +463,8 @@ def _ignores_ref_counts_lru(self: TensorLRU, protected: torch.Tensor) -> torch.T
     return self.pool.resident() & ~protected  # planted: loaded and being-stored chunks evictable
 
 
-def _ignores_ref_counts_arc(self: TensorARC, protected: torch.Tensor) -> torch.Tensor:
-    return (self.where > 0) & ~protected  # planted: the same bug in ARC
+def _ignores_ref_counts_arc(self: TensorARC, protected: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda slots: ~protected[slots]  # planted: the same bug in ARC
 
 
 def _ties_by_slot(self: TensorLRU, out: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
@@ -473,7 +473,7 @@ def _ties_by_slot(self: TensorLRU, out: torch.Tensor, same: torch.Tensor) -> tor
 
 @pytest.mark.parametrize(("policy", "cls", "name", "bug"), [
     ("lru", TensorLRU, "_candidates", _ignores_ref_counts_lru),
-    pytest.param("arc", TensorARC, "_candidates", _ignores_ref_counts_arc, marks=pytest.mark.deep),
+    pytest.param("arc", TensorARC, "_usable", _ignores_ref_counts_arc, marks=pytest.mark.deep),
     pytest.param("lru", TensorLRU, "_break_ties", _ties_by_slot, marks=pytest.mark.deep),
 ])
 def test_lockstep_catches_a_planted_bug(monkeypatch: pytest.MonkeyPatch, policy: str, cls: type, name: str,

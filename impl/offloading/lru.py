@@ -148,9 +148,9 @@ class TensorLRU:
         """Mask of the slots eviction may take: evictable (ref count 0), not protected."""
         return self.evictable() & ~protected
 
-    def evict(self, n: int, protected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The first ``n`` evictable unprotected slots in eviction order, and their ARC list
-        (all 0 here); None when there are fewer."""
+    def evict(self, n: int, protected: torch.Tensor) -> torch.Tensor | None:
+        """The first ``n`` evictable unprotected slots in eviction order; None when there are
+        fewer."""
         cand = torch.nonzero(self._candidates(protected)).squeeze(1)
         if cand.numel() < n:
             return None
@@ -158,8 +158,7 @@ class TensorLRU:
             r0 = self.rank0[cand]
             kth = torch.topk(r0, n, largest=False, sorted=False).values.max()
             cand = cand[r0 <= kth]
-        victims = self.order(cand)[:n]
-        return victims, torch.zeros_like(victims)
+        return self.order(cand)[:n]
 
     def clear(self) -> None:
         self.next_rank = 0

@@ -45,6 +45,7 @@ class TensorOffloadingManager:
         self.keys = KeyTable(self.device)
         self.policy: TensorLRU | TensorARC = (TensorLRU(self.pool, self.keys) if config.policy == "lru"
                                               else TensorARC(self.pool, self.keys, config.num_chunks))
+        self.protected = torch.zeros(config.num_chunks, dtype=torch.bool, device=self.device)  # False between calls
         self.num_evictable = 0
         self.num_write_pending = 0
         self.generation = 0
@@ -222,12 +223,12 @@ class TensorOffloadingManager:
         if shortfall > 0:
             if shortfall > self.num_evictable:
                 return None
-            protected = torch.zeros(self.pool.num_chunks, dtype=torch.bool, device=self.device)
-            protected[slots[slots >= 0]] = True
-            found = self.policy.evict(shortfall, protected)
-            if found is None:
+            mine = slots[slots >= 0]
+            self.protected[mine] = True  # the call's own resident keys; cleared again below
+            victims = self.policy.evict(shortfall, self.protected)
+            self.protected[mine] = False
+            if victims is None:
                 return None
-            victims, _ = found
             self.num_evictable -= victims.numel()
             gone = self.pool.key[victims]
             evicted = self.keys.key_list(gone)
@@ -316,8 +317,9 @@ class TensorOffloadingManager:
     def _check(self) -> None:
         """Slot and key maps are inverse; resident and free slots together are exactly the
         allocated ones; the counters equal what they count; the tracker within its bound;
-        the policy's own check."""
+        no slot left protected between calls; the policy's own check."""
         pool, keys = self.pool, self.keys
+        assert not bool(self.protected.any())
         res = pool.resident()
         slots = torch.nonzero(res).squeeze(1)
         assert bool((keys.slot[pool.key[slots]] == slots).all())
