@@ -468,3 +468,64 @@ def test_a_finish_flush_is_confirmed_when_it_was_queued() -> None:
     snap = run.engine.snapshot()
     assert snap["scheduler"]["store_events"]["5"]["gpu"] == [7]
     assert snap["engine"]["store_selection_confirmed"]["5"] == [True]
+
+
+# -- the paths a check skips when a cheap count shows nothing to name ------------------------
+# I2 and I3 name a store's label and the unlisted blocks only after a C-speed test found one;
+# I4-I6 count abandoned loads with the pending ones. Each mutator breaks what such a test guards.
+
+
+def m_i2_store(s: Snap) -> Any:
+    ev = _first_store_event(s)
+    if ev is None:
+        return None
+    ev[1]["gpu"][0] = 0  # a null block in a store event
+    return (0,), ()
+
+
+def m_i3_unlisted(s: Snap) -> Any:
+    pool = s["cpu_pool"]
+    b = next((b for b in pool["free_queue"] if pool["block_hash"][b] is None), None)
+    if b is None:
+        return None
+    pool["block_hash"][b] = "0123456789abcdef:0"  # hashed, in no map entry
+    return (b,), ()
+
+
+def m_i3_destination(s: Snap) -> Any:
+    ev = _first_store_event(s)
+    if ev is None:
+        return None
+    c = ev[1]["cpu"][0]
+    key = "0123456789abcdef:0"
+    s["cpu_pool"]["block_hash"][c] = key  # a store destination already hashed (and listed, so only that)
+    s["cpu_pool"]["cached"][key] = [c]
+    return (c,), ()
+
+
+def m_i4_abandoned_load(s: Snap) -> Any:
+    pool = s["cpu_pool"]
+    c = next((b for b in pool["free_queue"] if pool["block_hash"][b] is None), None)
+    if c is None:
+        return None
+    # an abandoned load reads CPU block c, whose ref count does not count it
+    s["scheduler"]["abandoned_reqs_to_load"]["gone"] = {"gpu": [], "cpu": [c], "load_event": 0, "finished": True}
+    return (c,), ()
+
+
+GUARDED = {"I2": m_i2_store, "I3": m_i3_unlisted, "I3 destination": m_i3_destination, "I4": m_i4_abandoned_load}
+
+
+@pytest.mark.parametrize("case", sorted(GUARDED))
+def test_fires_past_the_cheap_tests(case: str, good_snapshots: dict[str, list[Snap]]) -> None:
+    inv = case.split()[0]
+    fired = 0
+    for good in good_snapshots["repair"]:
+        bad = copy.deepcopy(good)
+        named = GUARDED[case](bad)
+        if named is None:
+            continue
+        got = check(bad, [inv])
+        assert [(v.id, v.blocks, v.requests) for v in got] == [(inv, *named)], [str(v) for v in got]
+        fired += 1
+    assert fired >= 1, f"no good snapshot could be broken for {case}"

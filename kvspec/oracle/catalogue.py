@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 from kvspec.contract.errors import ConfigError
@@ -123,6 +124,23 @@ def _all_store_transfers(sched: dict[str, Any]) -> list[tuple[str, dict[str, lis
     return out
 
 
+def _live_stores(sched: dict[str, Any]) -> list[dict[str, list[int]]]:
+    """The live store transfers, unlabelled: what a check iterates (a violation's message takes
+    its label from ``_live_store_transfers``, which formats one per transfer). O(transfers)."""
+    return [*sched["store_events"].values(), *sched["pending_finished_stores"]]
+
+
+def _all_stores(sched: dict[str, Any]) -> list[dict[str, list[int]]]:
+    """``_live_stores`` and the abandoned store events, unlabelled. O(transfers)."""
+    return [*sched["store_events"].values(), *sched["pending_finished_stores"],
+            *sched["abandoned_store_events"].values()]
+
+
+def _load_transfers(sched: dict[str, Any]) -> list[dict[str, Any]]:
+    """The loads, pending and abandoned, without their requests. O(loads)."""
+    return [*sched["reqs_to_load"].values(), *sched["abandoned_reqs_to_load"].values()]
+
+
 def _loads(sched: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return list(sched["reqs_to_load"].items()) + list(sched["abandoned_reqs_to_load"].items())
 
@@ -175,7 +193,7 @@ def covered_keys(s: Snapshot) -> set[str]:
     """Keys cached on CPU or being stored by a live transfer."""
     gpu_hash = s["gpu_pool"]["block_hash"]
     keys = set(s["cpu_pool"]["cached"])
-    for _, t in _live_store_transfers(s["scheduler"]):
+    for t in _live_stores(s["scheduler"]):
         keys.update(gpu_hash[g] for g in t["gpu"] if gpu_hash[g] is not None)
     return keys
 
@@ -307,9 +325,10 @@ def _i2(s: Snapshot) -> Iterable[Violation]:
         if any(0 in ids for ids in p["cached"].values()):
             yield Violation("I2", f"{name}: null block is in the prefix map", (0,))
     sched = s["scheduler"]
-    for where, t in _all_store_transfers(sched):
-        if 0 in t["gpu"] or 0 in t["cpu"]:
-            yield Violation("I2", f"null block in store {where}", (0,))
+    if any(0 in t["gpu"] or 0 in t["cpu"] for t in _all_stores(sched)):  # then name them
+        for where, t in _all_store_transfers(sched):
+            if 0 in t["gpu"] or 0 in t["cpu"]:
+                yield Violation("I2", f"null block in store {where}", (0,))
     for rid, ls in _loads(sched):
         if 0 in ls["gpu"] or 0 in ls["cpu"]:
             yield Violation("I2", "null block in a load", (0,), (rid,))
@@ -331,17 +350,22 @@ def _i3(s: Snapshot) -> Iterable[Violation]:
                     yield Violation("I3", f"{name}: map lists block {b} under {key} but it carries "
                                     f"{p['block_hash'][b]}", (b,))
         listed = {b for ids in p["cached"].values() for b in ids}
+        hashes = p["block_hash"]
+        if len(hashes) - hashes.count(None) == sum(1 for b in listed if 0 <= b < len(hashes) and hashes[b] is not None):
+            continue  # every hashed block is listed (counted at C speed): none to name below
         queued = set(p["free_queue"])
-        for b, key in enumerate(p["block_hash"]):
+        for b, key in enumerate(hashes):
             if key is None or b in listed:
                 continue
             if name == "cpu" or b in queued:
                 yield Violation("I3", f"{name}: block {b} is hashed {key} but not in the map", (b,))
     cpu_hash = s["cpu_pool"]["block_hash"]
-    for where, t in _all_store_transfers(s["scheduler"]):
-        for c in t["cpu"]:
-            if cpu_hash[c] is not None:
-                yield Violation("I3", f"store {where}: destination CPU block {c} is already hashed", (c,))
+    sched = s["scheduler"]
+    if any(cpu_hash[c] is not None for t in _all_stores(sched) for c in t["cpu"]):  # then name them
+        for where, t in _all_store_transfers(sched):
+            for c in t["cpu"]:
+                if cpu_hash[c] is not None:
+                    yield Violation("I3", f"store {where}: destination CPU block {c} is already hashed", (c,))
 
 
 # -- I4-I8: transfers, pins, ref accounting --------------------------------------------------
@@ -353,10 +377,8 @@ def _i4(s: Snapshot) -> Iterable[Violation]:
     abandoned) + in loads (including abandoned ones) + in pending pins."""
     sched = s["scheduler"]
     want = Counter([b for pin in sched["pending_cpu_hits"].values() for g in pin["blocks"] for b in g if b != 0])
-    for _, t in _all_store_transfers(sched):
+    for t in (*_all_stores(sched), *_load_transfers(sched)):
         want.update(t["cpu"])
-    for _, ls in _loads(sched):
-        want.update(ls["cpu"])
     yield from _ref_accounting("I4", "CPU", s["cpu_pool"]["ref_cnt"], want, "transfers and pins")
 
 
@@ -366,13 +388,12 @@ def _i5(s: Snapshot) -> Iterable[Violation]:
     transfers (pending, queued, abandoned) + in loads + in the engine's deferred frees (blocks a
     batch in flight still writes)."""
     sched = s["scheduler"]
-    want = Counter([b for r in s["engine"]["requests"].values() for t in r["table"] for b in t if b != 0])
+    # counted at C speed; the null block's count is never compared (``_ref_accounting``)
+    want = Counter(chain.from_iterable(t for r in s["engine"]["requests"].values() for t in r["table"]))
     for blocks in s["engine"].get("deferred_frees", ()):
         want.update(blocks)
-    for _, t in _all_store_transfers(sched):
+    for t in (*_all_stores(sched), *_load_transfers(sched)):
         want.update(t["gpu"])
-    for _, ls in _loads(sched):
-        want.update(ls["gpu"])
     yield from _ref_accounting("I5", "GPU", s["gpu_pool"]["ref_cnt"], want, "owners and transfers")
 
 
@@ -394,7 +415,7 @@ def _ref_accounting(id_: str, side: str, ref: list[int], want: Counter[int], own
 def _i6(s: Snapshot) -> Iterable[Violation]:
     """Every block of a pending, queued or abandoned transfer has ref >= 1 on its side."""
     sched = s["scheduler"]
-    sides = [t for _, t in _all_store_transfers(sched)] + [ls for _, ls in _loads(sched)]
+    sides = _all_stores(sched) + _load_transfers(sched)
     for t in sides:
         for side, pool in (("gpu", s["gpu_pool"]), ("cpu", s["cpu_pool"])):
             for b in t[side]:
@@ -408,7 +429,7 @@ def _i7(s: Snapshot) -> Iterable[Violation]:
     in two live transfers may leave early). Lazy mode keeps it empty."""
     sched = s["scheduler"]
     listed: Counter[int] = Counter()
-    for _, t in _live_store_transfers(sched):
+    for t in _live_stores(sched):
         listed.update(set(t["gpu"]))
     in_flight = set(sched["in_flight"])
     if sched["lazy"]:
@@ -428,13 +449,13 @@ def _i8(s: Snapshot) -> Iterable[Violation]:
     of two stores."""
     sched = s["scheduler"]
     gpu_listed: Counter[int] = Counter()
-    for _, t in _live_store_transfers(sched):
+    for t in _live_stores(sched):
         gpu_listed.update(t["gpu"])
     for b, n in gpu_listed.items():
         if n > 1:
             yield Violation("I8", f"GPU block {b} is listed {n} times in live stores", (b,))
     dests: Counter[int] = Counter()
-    for _, t in _all_store_transfers(sched):
+    for t in _all_stores(sched):
         dests.update(t["cpu"])
     for b, n in dests.items():
         if n > 1:
@@ -620,7 +641,7 @@ def _c3(s: Snapshot) -> Iterable[Violation]:
     sched = s["scheduler"]
     gpu_hash = s["gpu_pool"]["block_hash"]
     seen: dict[str, int] = {}
-    for _, t in _live_store_transfers(sched):
+    for t in _live_stores(sched):
         for g in t["gpu"]:
             key = gpu_hash[g]
             if key is not None and seen.setdefault(key, g) != g:

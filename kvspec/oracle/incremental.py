@@ -24,6 +24,8 @@ after every operation, and that dropping one part from one invariant's ``READS``
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from itertools import compress
+from operator import is_, ne
 from typing import Any
 
 from kvspec.oracle.catalogue import CATALOGUE, Snapshot, Violation
@@ -111,6 +113,8 @@ class IncrementalOracle:
         # each part once: a part listed twice for an invariant (C1 reads the GPU hashes for what it
         # owns and for what is covered) must not add its bit twice, which carried into the next part's
         self._masks = tuple(sum(1 << index[p] for p in dict.fromkeys(table[i])) for i in self.ids)
+        self._index = range(len(self._parts))
+        self._invariants = tuple(zip((CATALOGUE[i] for i in self.ids), self._masks, strict=True))
         self._target_parts = sum(1 << n for n, p in enumerate(self._parts) if p[0] != "engine")
         self._last: list[Any] | None = None
         self.ran = 0
@@ -132,6 +136,21 @@ class IncrementalOracle:
                 values.extend([_MISSING] * len(keys))
         return values
 
+    def _changed(self, values: list[Any], last: list[Any], vouched: int) -> int:
+        """The bits of the parts that differ from ``last``: unequal values, and the very same
+        container in both (a target may have mutated it in place) unless ``vouched`` has its bit.
+        The identity and equality tests run at C speed (``map``, ``compress``); Python only visits
+        the parts that are the same object or unequal. O(parts + size of the unequal ones)."""
+        changed = 0
+        index = self._index
+        for n in compress(index, map(is_, values, last)):
+            if isinstance(values[n], (dict, list)) and not vouched >> n & 1:
+                changed |= 1 << n
+        for n in compress(index, map(ne, values, last)):
+            if values[n] is not last[n]:
+                changed |= 1 << n
+        return changed
+
     def check(self, snap: Snapshot, same_target: bool = False) -> list[Violation]:
         """``catalogue.check(snap, ids)`` for a snapshot that follows the last clean one.
         ``same_target``: the caller vouches that the target's sections are the very ones of the
@@ -140,20 +159,15 @@ class IncrementalOracle:
         compared."""
         values = self._values(snap)
         last = self._last
-        changed = -1 if last is None else 0
-        if last is not None:
-            vouched = self._target_parts if same_target else 0
-            for n, (a, b) in enumerate(zip(values, last, strict=True)):
-                if (isinstance(a, (dict, list)) and not vouched >> n & 1) if a is b else a != b:
-                    changed |= 1 << n
+        changed = -1 if last is None else self._changed(values, last, self._target_parts if same_target else 0)
         has_engine = "engine" in snap
         out: list[Violation] = []
-        for id_, mask in zip(self.ids, self._masks, strict=True):
-            inv = CATALOGUE[id_]
-            if not mask & changed or (inv.needs_engine and not has_engine):
-                self.skipped += 1
-                continue
-            self.ran += 1
-            out.extend(inv.fn(snap))
+        ran = 0
+        for inv, mask in self._invariants:
+            if mask & changed and (has_engine or not inv.needs_engine):
+                ran += 1
+                out.extend(inv.fn(snap))
+        self.ran += ran
+        self.skipped += len(self.ids) - ran
         self._last = None if out else values
         return out
