@@ -265,8 +265,9 @@ class LockstepResult:
 
     @property
     def divergence(self) -> dict[str, Any] | None:
+        """The first difference (step, call, what, both values), None without one."""
         f = self.trace.finding
-        return f if f is not None and f["kind"] == "divergence" else None
+        return f["record"] if f is not None and f["kind"] == "divergence" else None
 
 
 def run_lockstep_trace(config: ConnectorConfig, async_scheduling: bool, seed: int, num_ops: int = 60,
