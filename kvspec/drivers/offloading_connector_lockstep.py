@@ -11,9 +11,9 @@ first, then on the model with the same inputs as plain values (requests read fro
 the return values (metadata as ``JobView``s: kind, request, GPU blocks with group sizes, CPU
 chunks, keys, sync; and the jobs to flush), the connector's bookkeeping (tracked requests, their
 jobs, store cursors, block lists, key counts; jobs in flight, job counter, stale threshold,
-reset fence, fenced blocks, keys being loaded) and the manager's snapshot (vLLM's read by the
-harness's reader, the model's by ``snapshot_of``; the per-request records left out: the reader
-sees no request contexts). The first difference raises ``LockstepDivergence`` naming the step,
+reset fence, fenced blocks, keys being loaded) and the manager's whole snapshot, every request's
+access record included (vLLM's read by the harness's reader, given the request contexts vLLM's
+connector made; the model's by ``snapshot_of``). The first difference raises ``LockstepDivergence`` naming the step,
 the call and both values; a trace of ``offloading_connector_fuzz.run_trace`` then ends with a
 ``divergence`` finding.
 """
@@ -117,6 +117,9 @@ class ConnectorLockstep:
             if name == "take_events":
                 result = list(result)
             self.calls += 1
+            if name == "on_new_request":
+                rid = args[0].request_id
+                self.s._reader._contexts[rid] = self.real._req_status[rid].req_context
             try:
                 predicted = predict(*prepared)
             except Exception as exc:
@@ -241,8 +244,6 @@ class ConnectorLockstep:
         if mine != theirs:
             self._diverge(name, "connector state", theirs, mine)
         mine_m, theirs_m = snapshot_of(self.model.manager), self.s._reader.snapshot()
-        for snap in (mine_m, theirs_m):
-            snap.pop("requests", None)
         if mine_m != theirs_m:
             self._diverge(name, "manager snapshot", theirs_m, mine_m)
 
