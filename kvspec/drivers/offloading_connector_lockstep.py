@@ -8,8 +8,8 @@ call vLLM's scheduler makes (``on_new_request``, ``get_num_new_matched_tokens``,
 ``request_finished``, ``reset_cache``, ``take_events``, ``has_pending_push_work``) runs on vLLM
 first, then on the model with the same inputs as plain values (requests read from the
 ``Request`` objects vLLM's scheduler registered). After each call three things are compared:
-the return values (metadata as ``JobView``s: kind, request, GPU blocks with group sizes, CPU
-chunks, keys, sync; and the jobs to flush), the connector's bookkeeping (tracked requests, their
+the return values (metadata as ``JobView``s: kind, request, GPU blocks with group sizes and
+first positions, CPU chunks, keys, sync; and the jobs to flush), the connector's bookkeeping (tracked requests, their
 jobs, store cursors, block lists, key counts; jobs in flight, job counter, stale threshold,
 reset fence, fenced blocks, keys being loaded) and the manager's whole snapshot, every request's
 access record included (vLLM's read by the harness's reader, given the request contexts vLLM's
@@ -79,6 +79,7 @@ def _step_input(out: Any) -> StepInput:
 
 def _jobs_json(jobs: dict[int, JobView]) -> dict[str, Any]:
     return {str(j): {"kind": v.kind, "req": v.req, "gpu": list(v.gpu), "group_sizes": list(v.group_sizes),
+                     "block_indices": list(v.block_indices),
                      "chunks": list(v.chunks), "keys": sorted(key_text(k) for k in v.keys), "sync": v.sync}
             for j, v in sorted(jobs.items())}
 
@@ -204,7 +205,8 @@ class ConnectorLockstep:
             gpu, cpu = (j.dst_spec, j.src_spec) if load else (j.src_spec, j.dst_spec)
             keys = frozenset(_unpack(k) for k in jobs[jid].keys) if jid in jobs else frozenset()
             return JobView("load" if load else "store", j.req_id, tuple(int(b) for b in gpu.block_ids),
-                           tuple(int(n) for n in gpu.group_sizes or ()), tuple(int(c) for c in cpu.block_ids),
+                           tuple(int(n) for n in gpu.group_sizes or ()),
+                           tuple(int(i) for i in gpu.block_indices or ()), tuple(int(c) for c in cpu.block_ids),
                            keys, bool(j.sync))
 
         return _meta_json(Meta({j: job(j, v, True) for j, v in value.load_jobs.items()},

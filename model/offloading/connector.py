@@ -184,13 +184,15 @@ class StepInput:
 
 @dataclass(frozen=True)
 class JobView:
-    """A transfer job of a step's metadata: GPU blocks (group-major, with group sizes), CPU
-    chunks, its keys, whether it loads synchronously."""
+    """A transfer job of a step's metadata: GPU blocks (group-major, with group sizes and each
+    group's first block position in the request's table, 0 for an empty group), CPU chunks, its
+    keys, whether it loads synchronously."""
 
     kind: str
     req: str
     gpu: tuple[int, ...]
     group_sizes: tuple[int, ...]
+    block_indices: tuple[int, ...]
     chunks: tuple[int, ...]
     keys: frozenset[OffloadKey]
     sync: bool = False
@@ -401,6 +403,7 @@ class OffloadingConnectorModel:
         keys: list[OffloadKey] = []
         gpu: list[int] = []
         sizes: list[int] = []
+        starts: list[int] = []
         for g, group in enumerate(state.groups):
             group_blocks = blocks[g]
             end = _cdiv(cached, c.block_size)
@@ -411,10 +414,12 @@ class OffloadingConnectorModel:
                 keys += group.keys[start // c.blocks_per_chunk:num_chunks]
             gpu += [b for b, _ in group_blocks[start:end]]
             sizes.append(end - start)
+            starts.append(start)
             group.next_stored = num_chunks
         chunks = self.manager.prepare_load(rid, keys)
         jid = self._new_job_id()
-        self.batch_loads[jid] = JobView("load", rid, tuple(gpu), tuple(sizes), tuple(chunks), frozenset(keys))
+        self.batch_loads[jid] = JobView("load", rid, tuple(gpu), tuple(sizes), tuple(starts), tuple(chunks),
+                                       frozenset(keys))
         state.jobs.add(jid)
         self.jobs[jid] = _Job(rid, c.num_workers, frozenset(keys), is_store=False)
         self.being_loaded.update(keys)
@@ -507,13 +512,16 @@ class OffloadingConnectorModel:
             to_store = set(out.keys_to_store)
             gpu: list[int] = []
             sizes: list[int] = []
+            starts: list[int] = []
             window_blocks: list[int] = []
             full_blocks: list[int] = []
             for g, (group, (start, end)) in enumerate(zip(state.groups, ranges, strict=True)):
-                blocks = [b for i in range(start, end) if group.keys[i] in to_store
-                          for b in group.block_ids[i * bpc:(i + 1) * bpc] if b != 0]
+                positions = [p for i in range(start, end) if group.keys[i] in to_store
+                             for p in range(i * bpc, (i + 1) * bpc) if group.block_ids[p] != 0]
+                blocks = [group.block_ids[p] for p in positions]
                 gpu += blocks
                 sizes.append(len(blocks))
+                starts.append(positions[0] if positions else 0)
                 (window_blocks if self._is_window(g) else full_blocks).extend(blocks)
                 group.next_stored = max(group.next_stored, end)
             jid = self._new_job_id()
@@ -521,7 +529,8 @@ class OffloadingConnectorModel:
             for b in window_blocks:
                 self.fenced.setdefault(b, set()).add(jid)
             self.jobs[jid] = _Job(rid, c.num_workers, frozenset(to_store), True, full_blocks, window_blocks)
-            stores[jid] = JobView("store", rid, tuple(gpu), tuple(sizes), tuple(out.chunk_ids), frozenset(to_store))
+            stores[jid] = JobView("store", rid, tuple(gpu), tuple(sizes), tuple(starts), tuple(out.chunk_ids),
+                                   frozenset(to_store))
             if view.finished:
                 for b in full_blocks:
                     self.fenced.setdefault(b, set()).add(jid)
