@@ -23,9 +23,9 @@ group)`` as the manager contract has it. Rules, each stated once (vLLM's functio
 * **Keys** [``RequestOffloadState.update_offload_keys``]. A group's chunk ``i`` is keyed by the
   request's block hash ``(i + 1) * blocks_per_chunk - 1`` and the group; keys are appended as
   hashes appear, each declared to the manager at end position ``(i + 1) * tokens_per_chunk``.
-* **Lookup** [``get_num_new_matched_tokens``, ``_lookup_complete_chunks``]. A request with a
-  transfer in flight is answered ``None`` (ask again); otherwise its block lists are cleared and
-  its store cursor set to 0. The hit limit starts at ``num_tokens`` (capped by
+* **Lookup** [``get_num_new_matched_tokens``, ``_lookup_complete_chunks``]. The request's block
+  lists are cleared and its store cursors set to 0; with a transfer in flight it is answered
+  ``None`` (ask again). The hit limit starts at ``num_tokens`` (capped by
   ``num_computed + max_num_new_tokens``; one less with a sliding-window group) and every group
   narrows it: the full group to its longest run of cached chunks from ``num_computed``
   [``_maximal_prefix_lookup``], the sliding-window group to the right end of the last run of
@@ -200,6 +200,8 @@ class JobView:
 
 @dataclass(frozen=True)
 class Meta:
+    """A step's ``OffloadingConnectorMetadata``: load and store jobs by id, jobs to flush."""
+
     load_jobs: Mapping[int, JobView]
     store_jobs: Mapping[int, JobView]
     jobs_to_flush: frozenset[int]
@@ -207,6 +209,8 @@ class Meta:
 
 @dataclass
 class _Group:
+    """A request's group: chunk keys, GPU block ids (0: null or stale), the store cursor."""
+
     keys: list[OffloadKey] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     next_stored: int = 0
@@ -214,6 +218,9 @@ class _Group:
 
 @dataclass
 class _Req:
+    """A tracked request: its groups, tokens computed locally at its lookup, its jobs in
+    flight, whether its finish was signalled to the manager."""
+
     groups: list[_Group]
     num_local: int = 0
     jobs: set[int] = field(default_factory=set)
@@ -222,6 +229,9 @@ class _Req:
 
 @dataclass
 class _Job:
+    """A job in flight: request, workers still to report, keys, and the GPU blocks it fences
+    once its request finished (``deferred_fence``: full attention) or at once (``fence``)."""
+
     req: str
     pending: int
     keys: frozenset[OffloadKey]
@@ -311,7 +321,6 @@ class OffloadingConnectorModel:
         hit = 0 if view.skip_reading_prefix_cache else self._lookup(view, state, max_new)
         return hit, bool(hit)
 
-    # long function: vLLM's convergence loop over the groups, kept in one piece to follow it
     def _lookup(self, view: ReqView, state: _Req, max_new: int | None) -> int | None:
         c = self.config
         tpc, local = c.tokens_per_chunk, state.num_local
