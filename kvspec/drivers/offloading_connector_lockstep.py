@@ -293,8 +293,10 @@ def draw_lockstep_config(rng: random.Random) -> ConnectorConfig:
 
 
 def lockstep_configs(count: int, seed: int) -> Iterator[tuple[ConnectorConfig, bool, int]]:
-    """``count`` (config, async scheduling, trace seed): every fourth trace alternates LRU/ARC and
-    sync/async, a sliding-window group in every other pair, the rest of the config drawn."""
+    """``count`` (config, async scheduling, trace seed): trace ``i`` runs LRU for even ``i`` and
+    ARC for odd, async scheduling when ``i // 2`` is odd; half the traces (drawn) get a
+    sliding-window group of two blocks when ``i // 4`` is odd and none when even, the others
+    keep ``draw_config``'s; the rest of the configuration is drawn."""
     rng = random.Random(seed)
     for i in range(count):
         config = draw_lockstep_config(rng)
