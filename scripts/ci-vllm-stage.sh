@@ -78,6 +78,13 @@ run_tests "vLLM offloading-manager lockstep" 600 .vllm-venv/bin/python tests/tes
 # broken on purpose, a short campaign, and the double-reset crash (tests/test_vllm_offloading_connector.py).
 run_tests "vLLM OffloadingConnector" 300 .vllm-venv/bin/python tests/test_vllm_offloading_connector.py \
   KVSPEC_REQUIRE_VLLM=1
+# ... and kvspec's model of the connector's scheduler side in lockstep with it: every call vLLM's
+# scheduler makes to the connector made on the model too, results, bookkeeping and manager snapshots
+# compared after each, on KVSPEC_VLLM_CONNECTOR_LOCKSTEP_TRACES random traces of 60 operations (LRU
+# and ARC, sync and async, with and without a sliding-window group), the saved divergence trace and
+# the model rules broken on purpose (tests/test_vllm_connector_lockstep.py), bounded by `timeout 300`.
+run_tests "vLLM OffloadingConnector lockstep" 300 .vllm-venv/bin/python tests/test_vllm_connector_lockstep.py \
+  KVSPEC_REQUIRE_VLLM=1 KVSPEC_VLLM_CONNECTOR_LOCKSTEP_TRACES=300
 
 # vLLM 0.33.0 with kvspec's patches (patches/vllm-0.33.0/): each built as its own venv by
 # scripts/setup-vllm-patched.sh (hard links to .vllm-venv, a few seconds), then

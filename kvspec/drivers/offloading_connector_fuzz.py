@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,12 +56,16 @@ def draw_config(rng: random.Random) -> ConnectorConfig:
 
 
 # long function: one trace's loop with its three local steps (judge, unfinished, step) sharing its state
-def run_trace(config: ConnectorConfig, async_scheduling: bool, seed: int, num_ops: int = 60) -> TraceResult:
-    """One trace of ``num_ops`` drawn operations plus the drain, checked after every operation."""
+def run_trace(config: ConnectorConfig, async_scheduling: bool, seed: int, num_ops: int = 60,
+              hook: Callable[[VllmConnectorScheduler], object] | None = None) -> TraceResult:
+    """One trace of ``num_ops`` drawn operations plus the drain, checked after every operation;
+    ``hook`` sees the scheduler once built, before any request (the connector lockstep wraps it)."""
     rng = random.Random(seed)
     result = TraceResult(seed, config.to_json(), async_scheduling)
     s = VllmConnectorScheduler(config, SchedulerOptions(async_scheduling=async_scheduling, auto_finish=True),
                                lambda rid, n: 100 + (sum(map(ord, rid)) + 7 * n) % 5)
+    if hook is not None:
+        hook(s)
     B = config.block_size
     groups = 2 if config.sliding_window else 1
     # a request must fit the GPU pool alone (vLLM would refuse a longer one at admission)
