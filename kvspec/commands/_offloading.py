@@ -173,7 +173,7 @@ def snapshot(args: argparse.Namespace) -> int:
     (``--at N``: after operation N) and write the driver's snapshot (the target's, plus what the
     driver observed), the file ``check-snapshot`` reads as ``offloading-snapshot.schema.json``.
     Refused operations change nothing and are counted; a crash writes nothing (exit 1)."""
-    from kvspec.commands.snapshot import report_crash, write_snapshot
+    from kvspec.commands._snapshot_out import report_crash, write_snapshot
     from kvspec.drivers.offloading import Driver
 
     tr = _read_trace(args.trace)

@@ -17,13 +17,11 @@ and ``bug:<name>``.
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Any
 
 from kvspec.adapters.targets import get_factory
+from kvspec.commands._snapshot_out import report_crash, write_snapshot
 from kvspec.commands.replay import header_target
-from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, KVSpecError, echo, exit_codes
-from kvspec.contract.snapshot_io import FORMAT_VERSION, dump_snapshot
+from kvspec.contract.errors import ConfigError, KVSpecError, exit_codes
 from kvspec.drivers import trace as trace_io
 from kvspec.drivers.engine import Engine
 
@@ -68,21 +66,3 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--at {args.at}: the trace has {applied} operation(s)")
     return write_snapshot(engine.snapshot(), args.out, name, applied, rejected)
 
-
-def report_crash(target: str, index: int, exc: Exception) -> int:
-    """A target crashed at operation ``index``: one line, nothing written, exit 1."""
-    print(f"kvspec snapshot: {target} crashed at operation {index} ({type(exc).__name__}: "
-          f"{str(exc)[:200]}); nothing written", file=sys.stderr)
-    return EXIT_FINDING
-
-
-def write_snapshot(snapshot: dict[str, Any], out: str, what: str, applied: int, rejected: int) -> int:
-    """Write ``snapshot`` (validated first) to ``out`` and say so; exit 0. ``ConfigError`` when the
-    file cannot be written."""
-    try:
-        dump_snapshot(snapshot, out)
-    except OSError as exc:
-        raise ConfigError(f"--out {echo(out)}: cannot write the snapshot: {exc.strerror or exc}") from None
-    print(f"{out}: snapshot of {what} after {applied} operation(s) ({rejected} rejected), "
-          f"format version {FORMAT_VERSION}")
-    return EXIT_CLEAN
