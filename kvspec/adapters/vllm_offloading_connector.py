@@ -1,5 +1,7 @@
-"""vLLM 0.33.0's real scheduler with the real ``OffloadingConnector`` (scheduler role), and a
-worker played from outside: the connector's scheduler side judged without a model.
+"""vLLM's real scheduler with the real ``OffloadingConnector`` (scheduler role), and a worker
+played from outside: the connector's scheduler side judged without a model. It runs on the
+installed release when that is one of ``vllm_compat.CONNECTOR_RELEASES`` (0.23.0, 0.29.0,
+0.31.0, 0.33.0; what differs is stated in ``vllm_compat``), else ``ConfigError``.
 
 ``VllmConnectorScheduler(config, options, next_token)`` is ``VllmScheduler`` (the real
 ``Scheduler``/``AsyncScheduler``, a real ``VllmConfig`` on a local ``config.json``) with
@@ -433,7 +435,8 @@ class VllmConnectorScheduler(VllmScheduler):
 
 
 def connector_driver_available() -> tuple[bool, str]:
-    """(True, "") when vLLM 0.33.0's scheduler and OffloadingConnector import here, else (False, why)."""
+    """(True, "") when vLLM 0.33.0's scheduler and OffloadingConnector import here, else (False, why)
+    (the release the CI runs; the other connector releases are driven in their own venvs)."""
     from kvspec.adapters.vllm_scheduler import scheduler_driver_available
 
     ok, why = scheduler_driver_available()
