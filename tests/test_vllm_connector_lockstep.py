@@ -4,7 +4,8 @@ OffloadingConnector under its real Scheduler and AsyncScheduler
 connector's scheduler side is made on the model too, and return values, connector bookkeeping
 and manager snapshots must agree after each.
 
-* ``KVSPEC_VLLM_CONNECTOR_LOCKSTEP_TRACES`` traces of 60 operations (default 8): LRU and ARC,
+* ``KVSPEC_VLLM_CONNECTOR_LOCKSTEP_TRACES`` traces of 60 operations (default 8; the generation
+  profiles mixed, preempt, window and decode in turn, eight traces each): LRU and ARC,
   sync and async scheduling, with and without a sliding-window group, now and then a store
   threshold; 0 divergences.
 * The saved divergence trace (tests/traces/connector_lockstep/) replays clean, and diverges
@@ -42,10 +43,10 @@ def test_the_model_agrees_with_vllms_connector_after_every_call() -> None:
 
     traces = steps = calls = 0
     kinds: set[tuple[str, bool, bool]] = set()
-    for config, async_scheduling, seed in lockstep_configs(TRACES, seed=11):
-        r = run_lockstep_trace(config, async_scheduling, seed, LENGTH)
+    for config, async_scheduling, seed, profile in lockstep_configs(TRACES, seed=11):
+        r = run_lockstep_trace(config, async_scheduling, seed, LENGTH, profile=profile)
         path = save_divergence(r, LENGTH)
-        assert r.divergence is None, (config, async_scheduling, seed, path, r.divergence)
+        assert r.divergence is None, (config, async_scheduling, seed, profile, path, r.divergence)
         traces, steps, calls = traces + 1, steps + r.trace.steps, calls + r.calls
         kinds.add((config.eviction_policy, async_scheduling, bool(config.sliding_window)))
     print(f"\nconnector lockstep: {traces} traces, {steps} steps, {calls} calls compared, 0 divergences")
@@ -76,20 +77,21 @@ class _PreemptionNotFlushed(OffloadingConnectorModel):
         return super().build_connector_meta(replace(step, preempted=()), views)
 
 
-def _saved(path: Path) -> tuple[Any, bool, int, int]:
+def _saved(path: Path) -> tuple[Any, bool, list[dict[str, Any]]]:
+    """A saved trace: its configuration, scheduling mode and operations (the drain follows)."""
     from kvspec.adapters.vllm_offloading_connector import ConnectorConfig
 
     data = json.loads(path.read_text())
-    return ConnectorConfig(**data["config"]), data["async_scheduling"], data["seed"], data["num_ops"]
+    return ConnectorConfig(**data["config"]), data["async_scheduling"], data["ops"]
 
 
 @pytest.mark.parametrize("path", sorted(SAVED.glob("*.json")), ids=lambda p: p.stem)
 def test_a_saved_divergence_replays_clean_and_its_fix_is_needed(path: Path) -> None:
-    from kvspec.drivers.offloading_connector_lockstep import run_lockstep_trace
+    from kvspec.drivers.offloading_connector_lockstep import run_lockstep_ops
 
-    config, async_scheduling, seed, num_ops = _saved(path)
-    assert run_lockstep_trace(config, async_scheduling, seed, num_ops).divergence is None
-    broken = run_lockstep_trace(config, async_scheduling, seed, num_ops, factory=_EverySlidingWindowChunk)
+    config, async_scheduling, ops = _saved(path)
+    assert run_lockstep_ops(config, async_scheduling, ops).divergence is None
+    broken = run_lockstep_ops(config, async_scheduling, ops, factory=_EverySlidingWindowChunk)
     assert broken.divergence is not None and broken.divergence["call"] == "build_connector_meta"
     assert broken.divergence["step"] == 0 and "store_jobs" in broken.divergence["vllm"]
 
@@ -98,8 +100,8 @@ def test_a_saved_divergence_replays_clean_and_its_fix_is_needed(path: Path) -> N
 def test_a_model_rule_broken_on_purpose_is_caught(factory: type[OffloadingConnectorModel]) -> None:
     from kvspec.drivers.offloading_connector_lockstep import lockstep_configs, run_lockstep_trace
 
-    for config, async_scheduling, seed in lockstep_configs(12, seed=3):
-        r = run_lockstep_trace(config, async_scheduling, seed, 40, factory=factory)
+    for config, async_scheduling, seed, profile in lockstep_configs(12, seed=3):
+        r = run_lockstep_trace(config, async_scheduling, seed, 40, factory=factory, profile=profile)
         if r.divergence is not None:
             assert r.divergence["call"] == "build_connector_meta"
             assert r.divergence["vllm"] != r.divergence["model"]
@@ -114,9 +116,9 @@ FINDINGS = Path(__file__).parent / "traces" / "connector_findings"
 def test_a_catalogue_finding_on_vllm_is_what_the_model_predicts(path: Path) -> None:
     """vLLM's behaviour that a catalogue rule flags, with the model in lockstep: no divergence
     up to the finding, so the model's rules (0.33.0's) produce it too."""
-    from kvspec.drivers.offloading_connector_lockstep import run_lockstep_trace
+    from kvspec.drivers.offloading_connector_lockstep import run_lockstep_ops
 
-    config, async_scheduling, seed, num_ops = _saved(path)
-    r = run_lockstep_trace(config, async_scheduling, seed, num_ops)
+    config, async_scheduling, ops = _saved(path)
+    r = run_lockstep_ops(config, async_scheduling, ops)
     assert r.divergence is None
     assert r.trace.finding is not None and r.trace.finding["ids"] == [json.loads(path.read_text())["finding"]]

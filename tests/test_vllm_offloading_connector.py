@@ -182,3 +182,23 @@ def test_vllm_crashes_on_two_connector_resets_without_a_step_between() -> None:
     where = raised.traceback[-1]
     assert where.path.name == "scheduler.py" and "offloading" in str(where.path)
     assert "_current_batch_jobs_to_flush" in str(where.statement)
+
+
+def test_a_trace_replays_from_its_operations_and_shrinks() -> None:
+    """A drawn trace's recorded operations replay to the same finding (or none), and shrinking
+    keeps the finding's signature with fewer operations: the double reset, built by hand."""
+    from kvspec.drivers.offloading_connector_fuzz import ConnectorConfig, run_ops, run_trace, shrink, signature
+
+    config = ConnectorConfig(num_gpu_blocks=10, num_chunks=4, sliding_window=8)
+    drawn = run_trace(config, True, 5, 40, "window")
+    assert signature(run_ops(config, True, drawn.ops, "window").finding) == signature(drawn.finding)
+    ops = [{"op": "add", "rid": "r0", "prompt": [*PREFIX, 30], "max_tokens": 2},
+           {"op": "add", "rid": "r1", "prompt": [40, 41, 42], "max_tokens": 1},
+           {"op": "step", "chunk": 64}, {"op": "work", "req": "r1", "kind": "load"},
+           {"op": "reset"}, {"op": "reset"}]
+    full = run_ops(ConnectorConfig(), False, ops)
+    wanted = signature(full.finding)
+    assert wanted is not None and "_current_batch_jobs_to_flush" in wanted
+    shrunk, best = shrink(ConnectorConfig(), False, ops, wanted)
+    assert signature(best.finding) == wanted and len(shrunk) < len(ops)
+    assert [o["op"] for o in shrunk][-2:] == ["reset", "reset"]

@@ -25,6 +25,12 @@ What differs, read off each release's own sources:
 * **Lookup pins** (``_pending_cpu_hits``) exist from 0.22; up to 0.29 a pin is
   ``(blocks, hit_len)``, from 0.30 ``(blocks, hit_len, num_computed_tokens)``. For the older
   shape the target remembers the computed-token count it passed to the lookup.
+* **The OffloadingConnector** (``kvspec.adapters.vllm_offloading_connector``) runs on the
+  releases of ``CONNECTOR_RELEASES``. A transfer job is ``transfer_spec=(src, dst)`` in 0.23,
+  ``src_spec``/``dst_spec`` from 0.29, with ``sync`` (a load inside the step) only from 0.33;
+  a chunk is ``block_size_factor`` GPU blocks in 0.23, ``blocks_per_chunk`` from 0.29; the
+  ``CPUOffloadingManager`` counts ``_num_blocks`` up to 0.29, ``_num_chunks`` from 0.31, and
+  keeps a ``_cache_generation`` (bumped by each reset) only from 0.31.
 * **Manager state** added over time (abandoned transfers from 0.24, in-flight store blocks
   from 0.22, pending finished stores from 0.30): absent state reads as empty.
 """
@@ -46,6 +52,9 @@ from kvspec.contract.errors import ConfigError
 
 #: The releases with a setup recipe and a target (``vllm@VERSION``); 0.33.0 is ``.vllm-venv`` too.
 RELEASES = ("0.19.1", "0.23.0", "0.29.0", "0.31.0", "0.33.0")
+#: The releases the OffloadingConnector harness runs on: 0.19.1's connector predates the job
+#: protocol (``load_jobs``/``store_jobs``/``jobs_to_flush``) the harness plays the workers of.
+CONNECTOR_RELEASES = ("0.23.0", "0.29.0", "0.31.0", "0.33.0")
 FIRST_WITH_MANAGER = (0, 19)
 TARGET_PREFIX = "vllm@"
 
@@ -236,3 +245,38 @@ def unclaimed(rel: Release) -> tuple[str, ...]:
     if not rel.at_least("0.22.0"):
         out.append("I7")
     return tuple(out)
+
+
+# -- the OffloadingConnector ------------------------------------------------------------------
+
+
+def connector_release() -> Release:
+    """The installed vLLM, which must be one of ``CONNECTOR_RELEASES``; else ``ConfigError``."""
+    try:
+        found = installed_version()
+    except metadata.PackageNotFoundError:
+        raise ConfigError("the OffloadingConnector harness needs vLLM (one of "
+                          f"{', '.join(CONNECTOR_RELEASES)}), which is not installed here") from None
+    if found not in CONNECTOR_RELEASES:
+        raise ConfigError(f"the OffloadingConnector harness runs on vLLM {', '.join(CONNECTOR_RELEASES)}, "
+                          f"not {found}")
+    return Release(found)
+
+
+def job_specs(job: Any) -> tuple[Any, Any]:
+    """A ``TransferJob``'s (source, destination) specs in either shape."""
+    if hasattr(job, "transfer_spec"):
+        src, dst = job.transfer_spec
+        return src, dst
+    return job.src_spec, job.dst_spec
+
+
+def blocks_per_chunk(connector_config: Any) -> int:
+    """GPU blocks per CPU chunk of the connector's scheduler config."""
+    value = getattr(connector_config, "blocks_per_chunk", None)
+    return int(value if value is not None else connector_config.block_size_factor)
+
+
+def num_chunks(manager: Any) -> int:
+    """The ``CPUOffloadingManager``'s chunk count."""
+    return int(getattr(manager, "_num_chunks", None) or manager._num_blocks)

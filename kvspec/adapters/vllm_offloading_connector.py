@@ -1,5 +1,7 @@
-"""vLLM 0.33.0's real scheduler with the real ``OffloadingConnector`` (scheduler role), and a
-worker played from outside: the connector's scheduler side judged without a model.
+"""vLLM's real scheduler with the real ``OffloadingConnector`` (scheduler role), and a worker
+played from outside: the connector's scheduler side judged without a model. It runs on the
+installed release when that is one of ``vllm_compat.CONNECTOR_RELEASES`` (0.23.0, 0.29.0,
+0.31.0, 0.33.0; what differs is stated in ``vllm_compat``), else ``ConfigError``.
 
 ``VllmConnectorScheduler(config, options, next_token)`` is ``VllmScheduler`` (the real
 ``Scheduler``/``AsyncScheduler``, a real ``VllmConfig`` on a local ``config.json``) with
@@ -33,7 +35,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from kvspec.adapters.vllm_offloading import VllmOffloadingTarget, _unpack
+from kvspec.adapters import vllm_compat as compat
+from kvspec.adapters.vllm_offloading import VLLM_VERSION, VllmOffloadingTarget, _unpack
 from kvspec.adapters.vllm_scheduler import SchedulerOptions, VllmScheduler
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.errors import ConfigError
@@ -146,17 +149,20 @@ class VllmConnectorScheduler(VllmScheduler):
                  next_token: Callable[[str, int], int]) -> None:
         config.validate()
         self.connector_config = config
-        super().__init__(config.offload_config(), options, next_token, transfer=self._transfer)
+        self.release = compat.connector_release()
+        super().__init__(config.offload_config(), options, next_token, transfer=self._transfer,
+                         release=self.release.version)
         self.connector = self.scheduler.connector.connector_scheduler
         self.offload_manager = self.connector.manager
-        if int(self.offload_manager._num_chunks) != config.num_chunks:
-            raise ConfigError(f"vLLM sized the CPU pool at {self.offload_manager._num_chunks} chunks, "
-                              f"not {config.num_chunks}")
+        if compat.num_chunks(self.offload_manager) != config.num_chunks:
+            raise ConfigError(f"vLLM {self.release.version} sized the CPU pool at "
+                              f"{compat.num_chunks(self.offload_manager)} chunks, not {config.num_chunks}")
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
         self._worker_meta = OffloadingWorkerMetadata
         self.num_workers = int(self.connector.config.num_workers)
-        self.blocks_per_chunk = int(self.connector.config.blocks_per_chunk)
+        self.blocks_per_chunk = compat.blocks_per_chunk(self.connector.config)
+        self._resets = 0  # calls of the manager's reset_cache (the generation of releases without one)
         self._reader = self._manager_reader()
         self.pool = self.scheduler.kv_cache_manager.block_pool
         self._handed_out: list[int] | None = None
@@ -175,10 +181,15 @@ class VllmConnectorScheduler(VllmScheduler):
     def _transfer(self, v: SimpleNamespace, kv_cache_config: Any, page_bytes: int) -> Any:
         """vLLM's ``KVTransferConfig`` for the OffloadingConnector with exactly ``num_chunks``
         chunks: ``cpu_bytes_to_use`` is that many chunk pages as ``CPUOffloadingSpec`` sizes them
-        (worker bytes per block times workers, rounded up to the memory page size)."""
+        (bytes per block times workers, rounded up to the spec's ``BLOCK_SIZE_ALIGNMENT``: the
+        memory page size from 0.29, none in 0.23, whose bytes per block sum every KV tensor)."""
+        from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
         c = self.connector_config
-        per_block = kv_cache_config.kv_cache_tensors[0].size // kv_cache_config.num_blocks
-        chunk = -(-per_block * self.config.world_size // mmap.PAGESIZE) * mmap.PAGESIZE
+        tensors = kv_cache_config.kv_cache_tensors
+        total = sum(t.size for t in tensors) if not self.release.at_least("0.29.0") else tensors[0].size
+        align = int(getattr(CPUOffloadingSpec, "BLOCK_SIZE_ALIGNMENT", mmap.PAGESIZE))
+        chunk = -(-(total // kv_cache_config.num_blocks) * self.config.world_size // align) * align
         return v.KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": c.num_chunks * chunk,
@@ -194,8 +205,20 @@ class VllmConnectorScheduler(VllmScheduler):
         reader._contexts = {}
         reader._closed = set()
         from kvspec.adapters.vllm_offloading import _import_vllm
-        reader._v = _import_vllm(None)
+        reader._v = _import_vllm(None if self.release.version == VLLM_VERSION else self.release.version)
+        original = self.offload_manager.reset_cache
+
+        def reset_cache(*args: Any, **kwargs: Any) -> Any:
+            self._resets += 1
+            return original(*args, **kwargs)
+
+        self.offload_manager.reset_cache = reset_cache
         return reader
+
+    def _generation(self) -> int:
+        """The manager's cache generation: its own counter (0.31 on), else its resets observed."""
+        own = getattr(self.offload_manager, "_cache_generation", None)
+        return int(own) if own is not None else self._resets
 
     def _wrap_pool(self) -> None:
         """Record the blocks ``get_new_blocks`` hands out during ``schedule()`` (behaviour unchanged)."""
@@ -241,18 +264,19 @@ class VllmConnectorScheduler(VllmScheduler):
         owners = self._owners()
         meta = out.kv_connector_metadata
         chunk_keys = self._chunk_keys()
-        generation = int(self.offload_manager._cache_generation)
+        generation = self._generation()
         record = _StepRecord(step=step, fresh={b: sorted(owners.get(b, [])) for b in handed if b != 0},
                              reset_unflushed=sorted(self.reset_pending))
         for kind, jobs in (("load", meta.load_jobs), ("store", meta.store_jobs)):
             for jid, job in sorted(jobs.items()):
-                gpu_spec, cpu_spec = (job.dst_spec, job.src_spec) if kind == "load" else (job.src_spec, job.dst_spec)
+                src, dst = compat.job_specs(job)
+                gpu_spec, cpu_spec = (dst, src) if kind == "load" else (src, dst)
                 chunks = [int(c) for c in cpu_spec.block_ids]
                 sizes = gpu_spec.group_sizes
                 self.jobs[jid] = Job(jid, kind, job.req_id, [int(b) for b in gpu_spec.block_ids],
                                      [int(n) for n in sizes] if sizes is not None else [len(gpu_spec.block_ids)],
                                      chunks, [chunk_keys.get(c) for c in chunks], step, generation,
-                                     sync=bool(job.sync))
+                                     sync=bool(getattr(job, "sync", False)))
                 record.issued.append(jid)
         for jid in sorted(meta.jobs_to_flush or ()):
             record.flush.append(int(jid))
@@ -277,10 +301,11 @@ class VllmConnectorScheduler(VllmScheduler):
             return {"load_jobs": {}, "store_jobs": {}, "jobs_to_flush": []}
 
         def job(j: Any, load: bool) -> dict[str, Any]:
-            gpu, cpu = (j.dst_spec, j.src_spec) if load else (j.src_spec, j.dst_spec)
+            src, dst = compat.job_specs(j)
+            gpu, cpu = (dst, src) if load else (src, dst)
             return {"req": j.req_id, "gpu": [int(b) for b in gpu.block_ids],
                     "group_sizes": None if gpu.group_sizes is None else [int(n) for n in gpu.group_sizes],
-                    "chunks": [int(c) for c in cpu.block_ids], "sync": bool(j.sync)}
+                    "chunks": [int(c) for c in cpu.block_ids], "sync": bool(getattr(j, "sync", False))}
 
         return {"load_jobs": {str(k): job(j, True) for k, j in sorted(meta.load_jobs.items())},
                 "store_jobs": {str(k): job(j, False) for k, j in sorted(meta.store_jobs.items())},
@@ -358,10 +383,10 @@ class VllmConnectorScheduler(VllmScheduler):
     def reset(self) -> bool:
         """``reset_prefix_cache(reset_connector=True)``; when the connector's manager was reset,
         every job in flight must be flushed by the next metadata (O15)."""
-        generation = int(self.offload_manager._cache_generation)
+        generation = self._generation()
         in_flight = {jid for jid, job in self.jobs.items() if job.flushed is None}
         result = super().reset()
-        if int(self.offload_manager._cache_generation) != generation:
+        if self._generation() != generation:
             self.reset_pending |= in_flight
         return result
 
@@ -372,7 +397,7 @@ class VllmConnectorScheduler(VllmScheduler):
         ``observed`` (keys of the current generation's jobs in flight) and ``connector``."""
         snap = self._reader.snapshot()
         snap["requests"] = {}
-        generation = int(self.offload_manager._cache_generation)
+        generation = self._generation()
         loads: dict[str, int] = {}
         stores: list[str] = []
         for job in self.jobs.values():
@@ -410,7 +435,8 @@ class VllmConnectorScheduler(VllmScheduler):
 
 
 def connector_driver_available() -> tuple[bool, str]:
-    """(True, "") when vLLM 0.33.0's scheduler and OffloadingConnector import here, else (False, why)."""
+    """(True, "") when vLLM 0.33.0's scheduler and OffloadingConnector import here, else (False, why)
+    (the release the CI runs; the other connector releases are driven in their own venvs)."""
     from kvspec.adapters.vllm_scheduler import scheduler_driver_available
 
     ok, why = scheduler_driver_available()

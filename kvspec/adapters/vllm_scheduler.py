@@ -146,12 +146,13 @@ def observe_step(out: Any, meta: Any, to_json: Callable[[Any], dict[str, Any]] =
 # -- vLLM objects ------------------------------------------------------------------------------
 
 
-def _import_scheduler_vllm() -> SimpleNamespace:
-    """vLLM's scheduler-side classes; ``ConfigError`` when vLLM 0.33.0 is not importable. Sets
-    ``HF_HUB_OFFLINE=1`` unless it is set: the local model needs no hub."""
+def _import_scheduler_vllm(release: str | None = None) -> SimpleNamespace:
+    """vLLM's scheduler-side classes; ``ConfigError`` when vLLM 0.33.0 (or ``release``, an older
+    release the connector harness runs on) is not importable. Sets ``HF_HUB_OFFLINE=1`` unless it
+    is set: the local model needs no hub."""
     from kvspec.adapters.vllm import _import_vllm
 
-    base = _import_vllm()  # checks the version, quiets the manager's warnings
+    base = _import_vllm(release)  # checks the version, quiets the manager's warnings
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         from vllm.config import (
@@ -171,7 +172,8 @@ def _import_scheduler_vllm() -> SimpleNamespace:
         from vllm.v1.request import RequestStatus
         from vllm.v1.structured_output import StructuredOutputManager
     except ImportError as exc:
-        raise ConfigError(f"vLLM {VLLM_VERSION} is installed but its scheduler cannot be imported: {exc}") from None
+        raise ConfigError(f"vLLM {release or VLLM_VERSION} is installed but its scheduler cannot be imported: "
+                          f"{exc}") from None
     for name in ("vllm.v1.core.sched.scheduler", "vllm.config", "vllm.distributed.kv_transfer"):
         logging.getLogger(name).setLevel(logging.ERROR)
     return SimpleNamespace(
@@ -260,12 +262,13 @@ class VllmScheduler:
     rides on it (None: none)."""
 
     def __init__(self, config: OffloadConfig, options: SchedulerOptions, next_token: Callable[[str, int], int],
-                 transfer: Callable[[SimpleNamespace, Any, int], Any] | None = None) -> None:
+                 transfer: Callable[[SimpleNamespace, Any, int], Any] | None = None,
+                 release: str | None = None) -> None:
         config.validate()
         if config.policy != "baseline":
             raise ConfigError(f"vLLM {VLLM_VERSION} implements only the 'baseline' policy, not {config.policy!r}")
         self.config, self.options, self.next_token = config, options, next_token
-        self.v = v = _import_scheduler_vllm()
+        self.v = v = _import_scheduler_vllm(release)
         kv_cache_config, page_bytes = VllmTarget.kv_cache_config_for(v, config)
         self.vllm_config = build_vllm_config(v, config, options, page_bytes,
                                              None if transfer is None else transfer(v, kv_cache_config, page_bytes))

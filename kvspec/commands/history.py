@@ -119,7 +119,7 @@ def issue_for(version: str, kind: str, what: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = EPILOG
-    p.add_argument("--versions", default=None,
+    p.add_argument("--versions", "--releases", dest="versions", default=None,
                    help=f"comma-separated releases (default {','.join(compat.RELEASES)}; with --manager offloading "
                         "0.23.0,0.29.0,0.31.0,0.33.0)")
     p.add_argument("--budget", type=budget_seconds, default=300.0, help="seconds of search per release (default 300)")
@@ -136,9 +136,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--manager", choices=("simple", "offloading"), default="simple",
                    help="simple: SimpleCPUOffload (default); offloading: the OffloadingConnector's "
                         "CPUOffloadingManager, LRU and ARC, releases 0.23.0 on (kvspec/commands/_offloading.py)")
+    p.add_argument("--connector", choices=("offloading",), default=None,
+                   help="offloading: vLLM's scheduler with the real OffloadingConnector, releases "
+                        f"{','.join(compat.CONNECTOR_RELEASES)}, judged by O1-O15; findings shrunk, saved and "
+                        "replayed on every release (kvspec/commands/_connector_history.py)")
+    p.add_argument("--replay", nargs="+", default=None, help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.connector == "offloading":
+        if args.manager != "simple":
+            raise ConfigError("--connector offloading and --manager are exclusive (the connector runs its own manager)")
+        from kvspec.commands import _connector_history
+
+        return _connector_history.history(args)
+    if args.replay is not None:
+        raise ConfigError("--replay is the connector worker's option")
     if args.manager == "offloading":
         from kvspec.commands import _offloading
 

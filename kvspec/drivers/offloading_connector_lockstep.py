@@ -26,12 +26,12 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvspec.adapters.vllm_offloading import _unpack
 from kvspec.adapters.vllm_offloading_connector import ConnectorConfig, VllmConnectorScheduler
 from kvspec.contract.offloading import key_text
-from kvspec.drivers.offloading_connector_fuzz import TraceResult, draw_config, run_trace
+from kvspec.drivers.offloading_connector_fuzz import PROFILES, Hook, Op, TraceResult, draw_config, run_ops, run_trace
 from kvspec.model.offloading.connector import (
     ConnectorModelConfig,
     JobView,
@@ -273,13 +273,11 @@ class LockstepResult:
         return f["record"] if f is not None and f["kind"] == "divergence" else None
 
 
-def run_lockstep_trace(config: ConnectorConfig, async_scheduling: bool, seed: int, num_ops: int = 60,
-                       factory: ModelFactory = OffloadingConnectorModel) -> LockstepResult:
-    """``offloading_connector_fuzz.run_trace`` with the model in lockstep; a divergence is the
+def _lockstep(run: Callable[[Hook], TraceResult], factory: ModelFactory) -> LockstepResult:
+    """``run`` (a trace given the hook) with the model in lockstep; a divergence becomes the
     trace's finding (kind ``divergence``, with the record of ``LockstepDivergence``)."""
     holder: list[ConnectorLockstep] = []
-    result = run_trace(config, async_scheduling, seed, num_ops,
-                       hook=lambda s: holder.append(ConnectorLockstep(s, factory)))
+    result = run(lambda s: holder.append(ConnectorLockstep(s, factory)))
     f = result.finding
     if f is not None and holder and holder[0].divergence is not None:
         f["kind"] = "divergence"
@@ -287,22 +285,42 @@ def run_lockstep_trace(config: ConnectorConfig, async_scheduling: bool, seed: in
     return LockstepResult(result, holder[0].calls if holder else 0)
 
 
-def draw_lockstep_config(rng: random.Random) -> ConnectorConfig:
-    """``draw_config``'s configurations, with now and then a store threshold of 2."""
-    return replace(draw_config(rng), store_threshold=rng.choice([0, 0, 0, 2]))
+def run_lockstep_trace(config: ConnectorConfig, async_scheduling: bool, seed: int, num_ops: int = 60,
+                       factory: ModelFactory = OffloadingConnectorModel, profile: str = "mixed") -> LockstepResult:
+    """``offloading_connector_fuzz.run_trace`` under ``profile`` with the model in lockstep."""
+    return _lockstep(lambda hook: run_trace(config, async_scheduling, seed, num_ops, profile, hook), factory)
 
 
-def lockstep_configs(count: int, seed: int) -> Iterator[tuple[ConnectorConfig, bool, int]]:
-    """``count`` (config, async scheduling, trace seed): trace ``i`` runs LRU for even ``i`` and
-    ARC for odd, async scheduling when ``i // 2`` is odd; half the traces (drawn) get a
-    sliding-window group of two blocks when ``i // 4`` is odd and none when even, the others
-    keep ``draw_config``'s; the rest of the configuration is drawn."""
+def run_lockstep_ops(config: ConnectorConfig, async_scheduling: bool, ops: list[Op],
+                     factory: ModelFactory = OffloadingConnectorModel) -> LockstepResult:
+    """``offloading_connector_fuzz.run_ops`` (a saved trace's operations) with the model in lockstep."""
+    return _lockstep(lambda hook: run_ops(config, async_scheduling, ops, hook=hook), factory)
+
+
+class LockstepCase(NamedTuple):
+    """One lockstep trace to run: configuration, scheduling mode, trace seed, generation profile."""
+
+    config: ConnectorConfig
+    async_scheduling: bool
+    seed: int
+    profile: str
+
+
+def lockstep_configs(count: int, seed: int) -> Iterator[LockstepCase]:
+    """``count`` cases: trace ``i`` runs the generation profile ``PROFILES[(i // 8) % 4]`` (eight
+    traces of each in turn), LRU for even ``i`` and ARC for odd, async scheduling when ``i // 2``
+    is odd; outside the ``window`` profile half the traces (drawn) get a sliding-window group of
+    two blocks when ``i // 4`` is odd and none when even, the others keep ``draw_config``'s; a
+    store threshold of 2 in a quarter (drawn); the rest as ``draw_config`` draws it."""
     rng = random.Random(seed)
     for i in range(count):
-        config = draw_lockstep_config(rng)
-        window = (0, 2 * config.block_size)[(i // 4) % 2] if rng.random() < 0.5 else config.sliding_window
+        profile = PROFILES[(i // 8) % len(PROFILES)]
+        config = replace(draw_config(rng, profile)[0], store_threshold=rng.choice([0, 0, 0, 2]))
+        window = config.sliding_window
+        if profile != "window" and rng.random() < 0.5:
+            window = (0, 2 * config.block_size)[(i // 4) % 2]
         config = replace(config, eviction_policy=("lru", "arc")[i % 2], sliding_window=window)
-        yield config, bool((i // 2) % 2), rng.randrange(2**31)
+        yield LockstepCase(config, bool((i // 2) % 2), rng.randrange(2**31), profile)
 
 
 def save_divergence(result: LockstepResult, num_ops: int) -> Path | None:

@@ -1,0 +1,239 @@
+"""``kvspec history --connector offloading``: the OffloadingConnector harness on each release.
+
+For each release (``--versions``/``--releases``, default ``vllm_compat.CONNECTOR_RELEASES``) kvspec
+runs itself in that release's venv as a worker: a campaign of
+``kvspec.drivers.offloading_connector_fuzz`` (vLLM's real scheduler and connector, the workers
+played from outside, O1-O15 after every operation, the four generation profiles in turn) for
+``--budget`` seconds of search. Each new finding (by signature: the violated invariants, or a
+crash's exception and innermost vLLM function and statement) is shrunk (its time is not counted
+in the budget) and saved as ``--out/VERSION/<n>-<kind>.json``. Then every saved trace, of every
+release, is replayed on every release: the matrix says where each finding appears and where it
+stops. Known causes (``CONNECTOR_KNOWN``) name the vLLM change read in the releases' code.
+Exit codes: 0 nothing found, 1 findings, 2 bad arguments or a missing venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvspec.adapters import vllm_compat as compat
+from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError
+
+TRACE_FORMAT = "kvspec-connector-trace/1"
+
+
+@dataclass(frozen=True)
+class KnownCause:
+    """A cause read in the releases' code: findings whose signature contains ``marker`` come from
+    it in releases from ``first`` up to (not including) ``fixed``."""
+
+    marker: str
+    first: str
+    fixed: str | None
+    text: str
+
+
+CONNECTOR_KNOWN = (
+    KnownCause("assert not req_status.transfer_jobs", "0.23.0", "0.29.0",
+               "vLLM #46014: a preempted request is re-admitted with a CPU hit while its flushed stores are "
+               "not reported yet; update_state_after_alloc asserts no job is pending. 0.29.0's "
+               "get_num_new_matched_tokens returns (None, False) while the request has jobs in flight"),
+    KnownCause("assert self._jobs[any_jid].is_store", "0.23.0", "0.29.0",
+               "no public issue found (read in code): the connector's reset_cache drops every job (_jobs) "
+               "but leaves each request's transfer_jobs, so the next store build (or the request's finish) "
+               "looks up a dropped job; 0.29.0's reset_cache clears the requests' transfer_jobs"),
+    KnownCause("job_status = self._jobs[job_id]", "0.23.0", "0.29.0",
+               "the same reset_cache cause as above, met in request_finished"),
+    KnownCause("num_locally_computed_tokens <= num_locally_computed_gpu_blocks", "0.23.0", "0.31.0",
+               "no public issue found (read in code): with a sliding-window group, update_state_after_alloc "
+               "counts the locally computed blocks from block 0 up to the first non-null unhashed block; a "
+               "window block freed and reallocated below the computed boundary ends the count early; "
+               "0.31.0 scans from the computed boundary"),
+    KnownCause("violation:O14", "0.23.0", None,
+               "no public issue found (read in code and in every O14 trace kept): with a sliding-window group, "
+               "a window block that was stored, freed and reallocated to the same request further on stays in "
+               "the request's block list (the stale-entry zeroing of PR #42959 covers only positions not yet "
+               "stored); the cache reset (PR #41956) rewinds the store progress to chunk 0, so the next store "
+               "copies the reallocated block under the key of its old position: stale KV in the CPU cache"),
+    KnownCause("assert not self._current_batch_jobs_to_flush", "0.23.0", None,
+               "two reset_cache calls with no schedule() between while jobs are in flight: the first queues "
+               "every job for flushing, the second asserts the queue is empty (every release here)"),
+)
+
+
+def known_cause(version: str, sig: str) -> str:
+    rel = compat.Release(version)
+    for cause in CONNECTOR_KNOWN:
+        if cause.marker in sig and rel.at_least(cause.first) and not (cause.fixed and rel.at_least(cause.fixed)):
+            return cause.text
+    return ""
+
+
+def _python(version: str) -> Path:
+    return compat.venv_for(version) / "bin" / "python"
+
+
+def _versions(args: argparse.Namespace) -> list[str]:
+    versions = [v.strip() for v in (args.versions or ",".join(compat.CONNECTOR_RELEASES)).split(",") if v.strip()]
+    for v in versions:
+        compat.parse_release(v)
+        if v not in compat.CONNECTOR_RELEASES:
+            raise ConfigError(f"vLLM {v}: the OffloadingConnector harness runs on "
+                              f"{', '.join(compat.CONNECTOR_RELEASES)}")
+    return versions
+
+
+def history(args: argparse.Namespace) -> int:
+    """Campaign per release, then the replay matrix; the table (or JSON rows) on stdout."""
+    if args.raw:
+        raise ConfigError("--raw is not available with --connector offloading")
+    if args.worker is not None:
+        return worker(args)
+    versions = _versions(args)
+    missing = [v for v in versions if not _python(v).exists()]
+    if missing:
+        raise ConfigError("no venv for vLLM " + ", ".join(missing) + "; build each with "
+                          "scripts/setup-vllm-release.sh VERSION")
+    campaigns: dict[str, dict[str, Any]] = {}
+    for v in versions:
+        print(f"history: vLLM {v}: the OffloadingConnector harness for {args.budget:.0f}s", file=sys.stderr)
+        campaigns[v] = _call(v, args, [])
+    traces = sorted(str(p) for v in versions for p in (Path(args.out) / v).glob("*.json"))
+    matrix: dict[str, dict[str, str | None]] = {t: {} for t in traces}
+    if traces:
+        for v in versions:
+            print(f"history: vLLM {v}: replaying {len(traces)} traces", file=sys.stderr)
+            for row in _call(v, args, ["--replay", *traces])["replays"]:
+                matrix[row["trace"]][v] = row["signature"]
+    _report(versions, campaigns, matrix, args)
+    return EXIT_FINDING if any(c["findings"] for c in campaigns.values()) else EXIT_CLEAN
+
+
+def _call(version: str, args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    cmd = [str(_python(version)), "-m", "kvspec.cli", "history", "--connector", "offloading", "--worker", version,
+           "--budget", str(args.budget), "--seed", str(args.seed), "--out", str(args.out), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.budget * 4 + 900, env=worker_env())
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["(no message)"]
+        raise ConfigError(f"vLLM {version}: the connector worker exited {proc.returncode}: {tail[0][:300]}")
+    doc: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return doc
+
+
+def worker_env() -> dict[str, str]:
+    """The worker's environment: string hashing fixed (``PYTHONHASHSEED=0``), since vLLM's
+    scheduler iterates sets of request ids and a replay must meet them in the same order."""
+    return {**os.environ, "PYTHONHASHSEED": "0"}
+
+
+def _report(versions: list[str], campaigns: dict[str, dict[str, Any]], matrix: dict[str, dict[str, str | None]],
+            args: argparse.Namespace) -> None:
+    if args.json:
+        for v in versions:
+            print(json.dumps({"version": v, **campaigns[v]}))
+        print(json.dumps({"matrix": matrix}))
+        return
+    print(f"{'release':8} {'traces':>6} {'steps':>7} {'search s':>8}  findings")
+    for v in versions:
+        c = campaigns[v]
+        print(f"{v:8} {c['traces']:6} {c['steps']:7} {c['seconds']:8.1f}  {len(c['findings'])}")
+    for v in versions:
+        for f in campaigns[v]["findings"]:
+            print(f"\n{v}  at {f['seconds']:.1f}s ({f['traces']} traces)  {f['signature']}")
+            print(f"  profile {f['profile']}, {len(f['ops'])} ops after shrinking: {f['trace']}" if f["trace"] else
+                  f"  profile {f['profile']}, {len(f['ops'])} ops: its replay did not meet it again (not saved)")
+            print(f"  {f['known'] or 'cause not known'}")
+    if matrix:
+        print("\nreplay matrix (trace x release: its finding there, '-' clean)")
+        for trace, row in matrix.items():
+            cells = "  ".join(f"{v}: {(row.get(v) or '-')[:60]}" for v in versions)
+            print(f"{Path(trace).parent.name}/{Path(trace).name}\n    {cells}")
+
+
+# -- the worker, inside one release's venv -----------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> int:
+    """In the release's venv: the campaign (or, with ``--replay``, the replays); one JSON line."""
+    from kvspec.drivers import offloading_connector_fuzz as ocf
+
+    if compat.installed_version() != args.worker:
+        raise ConfigError(f"the worker for vLLM {args.worker} runs in vLLM {compat.installed_version()}")
+    if args.replay:
+        print(json.dumps({"replays": [{"trace": t, "signature": replay_file(Path(t))} for t in args.replay]}))
+        return EXIT_CLEAN
+    from kvspec.adapters.vllm_offloading_connector import ConnectorConfig, VllmConnectorScheduler
+    from kvspec.adapters.vllm_scheduler import SchedulerOptions
+
+    VllmConnectorScheduler(ConnectorConfig(), SchedulerOptions(async_scheduling=False, auto_finish=True),
+                           lambda rid, n: 0)  # vLLM's imports happen here, outside the search's time
+    out = Path(args.out) / args.worker
+    paused = [0.0]
+
+    def clock() -> float:
+        return time.monotonic() - paused[0]
+
+    start = clock()
+    seen: set[str] = set()
+    findings: list[dict[str, Any]] = []
+    traces = steps = 0
+    for r in ocf.campaign(args.budget, args.seed, clock=clock):
+        traces += 1
+        steps += r.steps
+        sig = ocf.signature(r.finding)
+        if sig is None or sig in seen:
+            continue
+        seen.add(sig)
+        at = clock() - start
+        t0 = time.monotonic()
+        config = _config(r.config)
+        ops, best = ocf.shrink(config, r.async_scheduling, r.ops, sig, profile=r.profile)
+        paused[0] += time.monotonic() - t0
+        if ocf.signature(best.finding) != sig:  # the replay does not meet it again: reported, not saved
+            findings.append({"signature": sig, "seconds": round(at, 1), "traces": traces, "profile": r.profile,
+                             "ops": r.ops, "trace": None, "known": known_cause(args.worker, sig)})
+            continue
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{len(findings) + 1:02d}-{r.finding['kind'] if r.finding else 'clean'}.json"
+        doc = {"format": TRACE_FORMAT, "release": args.worker, "seed": r.seed, "profile": r.profile,
+               "config": r.config, "async_scheduling": r.async_scheduling, "ops": ops,
+               "finding": best.finding, "signature": sig}
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        findings.append({"signature": sig, "seconds": round(at, 1), "traces": traces, "profile": r.profile,
+                         "ops": ops, "trace": str(path), "known": known_cause(args.worker, sig)})
+    print(json.dumps({"traces": traces, "steps": steps, "seconds": round(clock() - start, 1), "findings": findings}))
+    return EXIT_CLEAN
+
+
+def _config(doc: dict[str, Any]) -> Any:
+    from kvspec.adapters.vllm_offloading_connector import ConnectorConfig
+
+    return ConnectorConfig(**doc)
+
+
+def read_trace(path: Path) -> dict[str, Any]:
+    """A saved connector trace; ``ConfigError`` when it is not one."""
+    try:
+        doc: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read connector trace {path}: {exc}") from None
+    if doc.get("format") != TRACE_FORMAT:
+        raise ConfigError(f"{path} is not a {TRACE_FORMAT} file")
+    return doc
+
+
+def replay_file(path: Path) -> str | None:
+    """The signature of the finding a saved trace makes on the installed release (None: clean)."""
+    from kvspec.drivers import offloading_connector_fuzz as ocf
+
+    doc = read_trace(path)
+    res = ocf.run_ops(_config(doc["config"]), bool(doc["async_scheduling"]), doc["ops"], doc.get("profile", "mixed"))
+    return ocf.signature(res.finding)
