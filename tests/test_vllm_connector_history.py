@@ -82,7 +82,9 @@ def test_known_causes_apply_from_first_to_fix() -> None:
     sig = "crash:AssertionError@offloading/scheduler.py:update_state_after_alloc: assert not req_status.transfer_jobs"
     assert "#46014" in known_cause("0.23.0", sig)
     assert known_cause("0.29.0", sig) == ""
-    assert known_cause("0.33.0", "violation:O14") == "" or "reset" in known_cause("0.33.0", "violation:O14")
+    assert "reset" in known_cause("0.33.0", "violation:O14")
+    assert "#45388" in known_cause("0.29.0", "stuck:head-of-line")
+    assert known_cause("0.31.0", "stuck:head-of-line") == "" and known_cause("0.23.0", "stuck:drain") == ""
 
 
 def test_release_shapes_of_the_connector() -> None:

@@ -202,3 +202,44 @@ def test_a_trace_replays_from_its_operations_and_shrinks() -> None:
     shrunk, best = shrink(ConnectorConfig(), False, ops, wanted)
     assert signature(best.finding) == wanted and len(shrunk) < len(ops)
     assert [o["op"] for o in shrunk][-2:] == ["reset", "reset"]
+
+
+def test_a_job_is_reported_only_on_a_batch_from_its_step_on() -> None:
+    """Under async scheduling the output of batch N-1 is processed after batch N is scheduled;
+    a job of N's metadata (issued or flushed there) cannot be reported on it: the worker meets
+    the job only when it runs batch N."""
+    s = _scheduler(async_scheduling=True)
+    s.add_request("r0", [*PREFIX, 30], 3)
+    _step(s)  # schedules batch 0, its store in flight; no output processed yet
+    (job,) = s.jobs.values()
+    job.done_at = job.issued + 1  # as if it were finished only in the next batch
+    s._output_step = job.issued
+    assert s._take_output() is None  # not on batch 0's output
+    s._output_step = job.issued + 1
+    out = s._take_output()
+    assert out is not None and job.job_id in out.kv_connector_worker_meta.completed_jobs
+
+
+def test_an_error_of_kvspec_is_not_a_finding() -> None:
+    """Only what vLLM raised is a crash finding; a bad configuration (kvspec's ConfigError) or a
+    bug of the harness propagates."""
+    from kvspec.contract.errors import ConfigError
+    from kvspec.drivers.offloading_connector_fuzz import ConnectorConfig, run_ops
+
+    with pytest.raises(ConfigError, match="block_size"):
+        run_ops(ConnectorConfig(block_size=0), False, [{"op": "add", "rid": "r0", "prompt": [1, 2], "max_tokens": 1}])
+    with pytest.raises(ValueError, match="unknown connector operation"):
+        run_ops(ConnectorConfig(), False, [{"op": "add", "rid": "r0", "prompt": [1, 2], "max_tokens": 1},
+                                           {"op": "teleport"}])
+
+
+def test_a_long_queue_drains_to_the_end_without_a_stuck_finding() -> None:
+    """30 requests on a 9-block pool are served one at a time, for more steps than the drain's
+    base allowance: the drain's allowance grows with the queue, and only a state that stops
+    changing is a stall (this trace was once reported stuck)."""
+    from kvspec.drivers.offloading_connector_fuzz import ConnectorConfig, run_trace
+
+    config = ConnectorConfig(block_size=4, num_gpu_blocks=9, num_chunks=5)
+    r = run_trace(config, True, 1478124824, 60, "preempt")
+    assert sum(op["op"] == "add" for op in r.ops) >= 25
+    assert r.finding is None, r.finding

@@ -14,9 +14,13 @@ The workers are played as ``offloading/worker.py`` behaves: the jobs of each ste
 ``OffloadingConnectorMetadata`` are in flight from that step on; a job named in a step's
 ``jobs_to_flush`` is waited for before that step's forward pass (its data is copied then); a
 finished job is reported as ``OffloadingWorkerMetadata(completed_jobs={job: num_workers})``,
-an asynchronous load also as ``finished_recving={request}``, on the next batch's
-``KVConnectorOutput``. Which in-flight jobs finish when is the caller's choice
-(``finish_jobs``); flushed jobs are reported at once.
+an asynchronous load also as ``finished_recving={request}``, on the ``KVConnectorOutput`` of the
+next batch output processed, provided that batch ran no earlier than the job's step: the worker
+meets a job only when it runs the batch whose metadata carries it, so under asynchronous
+scheduling (two batches in flight) a job issued or flushed at step N is never reported on the
+output of batch N-1, which the scheduler processes after scheduling N. Which in-flight jobs
+finish when is the caller's choice (``finish_jobs``); flushed jobs and synchronous loads finish
+at their step.
 
 Observation, after every ``schedule()`` and every output: the metadata (GPU blocks and CPU
 chunk ids of each job), the GPU blocks the pool handed out in the step (``BlockPool.
@@ -37,7 +41,7 @@ from typing import Any
 
 from kvspec.adapters import vllm_compat as compat
 from kvspec.adapters.vllm_offloading import VLLM_VERSION, VllmOffloadingTarget, _unpack
-from kvspec.adapters.vllm_scheduler import SchedulerOptions, VllmScheduler
+from kvspec.adapters.vllm_scheduler import SchedulerOptions, VllmScheduler, _Batch
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.errors import ConfigError
 from kvspec.contract.offloading import POLICIES, OffloadingConfig, key_text
@@ -97,8 +101,9 @@ class Job:
     """A transfer job as the metadata gave it: ``gpu`` blocks (destinations of a load, sources of
     a store) with ``group_sizes``, CPU ``chunks`` and the keys holding them when it was issued
     (None: no key held the chunk), the step it was issued in, the step whose metadata flushed
-    it (None: not flushed), the manager's cache generation it belongs to, and whether the
-    worker finished it (reported with the next output)."""
+    it (None: not flushed), the manager's cache generation it belongs to, and ``done_at``: None
+    while the worker has not finished it, else the step whose batch is the first that may report
+    it (the job's own step, or the flushing step)."""
 
     job_id: int
     kind: str  # "load" | "store"
@@ -111,7 +116,11 @@ class Job:
     generation: int
     sync: bool = False
     flushed: int | None = None
-    done: bool = False
+    done_at: int | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.done_at is not None
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "req": self.req, "gpu": self.gpu, "group_sizes": self.group_sizes,
@@ -170,6 +179,8 @@ class VllmConnectorScheduler(VllmScheduler):
         self.jobs: dict[int, Job] = {}  # in flight: issued, not reported
         self.reported: list[int] = []  # job ids reported, in order
         self.steps = 0
+        self._batch_steps: dict[int, int] = {}  # id of a batch's SchedulerOutput -> its step
+        self._output_step = -1  # the step of the batch whose output is being processed
         self.record = _StepRecord()
         self.step_snapshot: dict[str, Any] | None = None  # the snapshot right after the last schedule()
         self.reset_pending: set[int] = set()  # in flight at the last reset, not yet seen flushed
@@ -280,12 +291,15 @@ class VllmConnectorScheduler(VllmScheduler):
                 record.issued.append(jid)
         for jid in sorted(meta.jobs_to_flush or ()):
             record.flush.append(int(jid))
-            if jid in self.jobs and self.jobs[jid].flushed is None:
-                self.jobs[jid].flushed = step
-                self.jobs[jid].done = True  # the worker waited for it: reported with the next output
+            job = self.jobs.get(jid)
+            if job is not None and job.flushed is None:
+                job.flushed = step
+                if job.done_at is None:
+                    job.done_at = step  # the worker waits for it in this step's batch
         for jid in record.issued:
             if self.jobs[jid].sync:
-                self.jobs[jid].done = True  # completed before this step's forward pass
+                self.jobs[jid].done_at = step  # completed before this step's forward pass
+        self._batch_steps[id(out)] = step
         self.reset_pending -= set(record.flush)
         self.record = record
         # The issue-time facts (handed-out blocks, issued and flushed jobs) hold for the state right
@@ -353,15 +367,23 @@ class VllmConnectorScheduler(VllmScheduler):
     # -- the worker ---------------------------------------------------------------------------
 
     def finish_jobs(self, job_ids: Iterable[int]) -> None:
-        """The worker finishes these in-flight jobs (reported with the next output)."""
+        """The worker finishes these in-flight jobs (each reported with the next output of a batch
+        from its step on)."""
         for jid in job_ids:
-            if jid in self.jobs:
-                self.jobs[jid].done = True
+            job = self.jobs.get(jid)
+            if job is not None and job.done_at is None:
+                job.done_at = job.issued
+
+    def _process(self, batch: _Batch, accept: int) -> None:
+        self._output_step = self._batch_steps.pop(id(batch.output))
+        super()._process(batch, accept)
 
     def _take_output(self) -> Any:
-        """The workers' ``KVConnectorOutput`` for one batch output: every finished, unreported job
-        (all ranks at once), finished asynchronous loads also as ``finished_recving``."""
-        done = sorted(jid for jid, job in self.jobs.items() if job.done)
+        """The workers' ``KVConnectorOutput`` for the output of the batch scheduled at step
+        ``_output_step``: every finished, unreported job of that step or earlier (all ranks at
+        once), finished asynchronous loads also as ``finished_recving``."""
+        done = sorted(jid for jid, job in self.jobs.items()
+                      if job.done_at is not None and job.done_at <= self._output_step)
         if not done:
             return None
         recving = {self.jobs[jid].req for jid in done if self.jobs[jid].kind == "load" and not self.jobs[jid].sync}
@@ -370,15 +392,6 @@ class VllmConnectorScheduler(VllmScheduler):
         self.reported.extend(done)
         meta = self._worker_meta(completed_jobs={jid: self.num_workers for jid in done})
         return self.v.KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=meta)
-
-    def deliver(self) -> bool:
-        """Report finished jobs with no batch behind them (an output of a step that scheduled
-        nothing). True when anything was reported."""
-        output = self._take_output()
-        if output is None:
-            return False
-        self._deliver(output)
-        return True
 
     def reset(self) -> bool:
         """``reset_prefix_cache(reset_connector=True)``; when the connector's manager was reset,

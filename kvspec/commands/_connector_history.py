@@ -57,6 +57,12 @@ CONNECTOR_KNOWN = (
                "counts the locally computed blocks from block 0 up to the first non-null unhashed block; a "
                "window block freed and reallocated below the computed boundary ends the count early; "
                "0.31.0 scans from the computed boundary"),
+    KnownCause("stuck:head-of-line", "0.23.0", "0.31.0",
+               "vLLM #45388 / #45387 (scheduler deadlock under KV-cache pressure with a KV-offloading connector): "
+               "schedule() takes skipped_waiting first and stops at the first allocation that fails; a request "
+               "parked there (a lookup deferred while its stores were in flight, or promoted after its load) "
+               "cannot get blocks that requests behind it hold for finished loads, which are never promoted. "
+               "0.31.0 schedules the requests that hold KV blocks first (kv_holding_waiting)"),
     KnownCause("violation:O14", "0.23.0", None,
                "no public issue found (read in code and in every O14 trace kept): with a sliding-window group, "
                "a window block that was stored, freed and reallocated to the same request further on stays in "
@@ -149,7 +155,8 @@ def _report(versions: list[str], campaigns: dict[str, dict[str, Any]], matrix: d
         for f in campaigns[v]["findings"]:
             print(f"\n{v}  at {f['seconds']:.1f}s ({f['traces']} traces)  {f['signature']}")
             print(f"  profile {f['profile']}, {len(f['ops'])} ops after shrinking: {f['trace']}" if f["trace"] else
-                  f"  profile {f['profile']}, {len(f['ops'])} ops: its replay did not meet it again (not saved)")
+                  f"  profile {f['profile']}, {len(f['ops'])} ops: its replay did not meet it again "
+                  f"(replay: {f.get('replay') or 'clean'}; not saved)")
             print(f"  {f['known'] or 'cause not known'}")
     if matrix:
         print("\nreplay matrix (trace x release: its finding there, '-' clean)")
@@ -199,7 +206,9 @@ def worker(args: argparse.Namespace) -> int:
         paused[0] += time.monotonic() - t0
         if ocf.signature(best.finding) != sig:  # the replay does not meet it again: reported, not saved
             findings.append({"signature": sig, "seconds": round(at, 1), "traces": traces, "profile": r.profile,
-                             "ops": r.ops, "trace": None, "known": known_cause(args.worker, sig)})
+                             "config": r.config, "async_scheduling": r.async_scheduling, "seed": r.seed,
+                             "ops": r.ops, "trace": None, "known": known_cause(args.worker, sig),
+                             "replay": ocf.signature(best.finding)})
             continue
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"{len(findings) + 1:02d}-{r.finding['kind'] if r.finding else 'clean'}.json"

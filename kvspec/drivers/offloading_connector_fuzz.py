@@ -7,20 +7,23 @@ trace is saved, shrunk and replayed on any release): ``add`` (a prompt and ``max
 vLLM stops the request there), ``step`` (one engine-core step with every waiting request
 offered, vLLM preempting by itself when the small GPU pool runs out; ``chunk`` is the step's
 prefill chunk), ``work`` (the workers finish the jobs in flight of one request, or all of them,
-optionally of one kind; reported with the next output), ``abort``
+optionally of one kind; reported with the next output of a batch that ran them), ``abort``
 (``finish_requests(FINISHED_ABORTED)``) and ``reset`` (``reset_prefix_cache(reset_connector=
 True)``). An operation that no longer applies (an abort of a finished request) is skipped. The
 trace ends by draining: steps with every job finished until vLLM has nothing left.
 
 ``run_trace`` draws the operations from a seed, online (what is drawn depends on the state),
 with the weights and configurations of a *profile*: ``mixed`` (everything), ``preempt`` (a small
-GPU pool, many requests, stores left in flight: preemption and re-admission while a preempted
-request's stores are not reported, vLLM #46014), ``window`` (a sliding-window group, repeated
-prefixes for CPU hits, windows not a multiple of the block size: vLLM #48959) and ``decode``
-(async scheduling, ``offload_prompt_only`` False, long outputs: decode blocks stored,
-#36052/#46824). A finding is a violation (invariant ids), a crash (vLLM raised: the exception
-type and the innermost vLLM function, its *signature*) or ``stuck`` (the drain never ends).
-``shrink`` removes operations while the finding's signature stays.
+GPU pool, many requests, stores left in flight, an abort weight drawn per trace: preemption and
+re-admission while a preempted request's stores are not reported, vLLM #46014), ``window`` (a
+sliding-window group, repeated prefixes for CPU hits, windows not a multiple of the block size:
+vLLM #48959) and ``decode`` (async scheduling, ``offload_prompt_only`` False, long outputs:
+decode blocks stored, #36052/#46824). A finding is a violation (invariant ids), a crash (vLLM
+raised: the exception type and the innermost vLLM function, its *signature*) or ``stuck`` (the
+drain makes no progress: ``stuck:head-of-line`` when the state left is the scheduler's
+head-of-line block, else ``stuck:stall``; or it never ends: ``stuck:drain``). An exception
+raised in kvspec's own code is not a finding: it propagates. ``shrink`` removes operations
+while the finding's signature stays.
 """
 
 from __future__ import annotations
@@ -31,17 +34,23 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvspec.adapters.vllm_offloading_connector import ConnectorConfig, VllmConnectorScheduler
 from kvspec.adapters.vllm_scheduler import SchedulerOptions
 from kvspec.oracle.catalogue import OFFLOADING_CATALOGUE, check
 
-DRAIN_STEPS = 200
+#: The drain: at most ``DRAIN_STEPS`` plus ``DRAIN_STEPS_PER_REQUEST`` for each unfinished
+#: request (a small pool serves a long queue one request at a time); ``STALL_STEPS`` steps in a
+#: row with nothing changing (every job finished each step) is a stall.
+DRAIN_STEPS, DRAIN_STEPS_PER_REQUEST, STALL_STEPS = 200, 60, 50
 PROFILES = ("mixed", "preempt", "window", "decode")
 #: Operation weights per profile: add, step, work, abort, reset.
 WEIGHTS = {"mixed": (3, 8, 4, 0.6, 0.25), "preempt": (4, 8, 1.5, 0.2, 0.0),
            "window": (3, 8, 4, 0.3, 0.0), "decode": (2, 10, 3, 0.3, 0.0)}
+#: The ``preempt`` profile's abort weight, drawn per trace.
+PREEMPT_ABORTS = (0.2, 1.0, 4.0)
 Op = dict[str, Any]
 Hook = Callable[[VllmConnectorScheduler], object]  # sees the scheduler once built, before any request
 
@@ -67,7 +76,7 @@ class TraceResult:
 
 def signature(finding: dict[str, Any] | None) -> str | None:
     """What identifies a finding across traces and releases: ``violation:O11,O14``,
-    ``crash:KeyError@offloading/scheduler.py:_build_store_jobs``, ``stuck``; None for clean."""
+    ``crash:KeyError@offloading/scheduler.py:_build_store_jobs``, ``stuck:drain``; None for clean."""
     if finding is None:
         return None
     if finding["kind"] == "crash":
@@ -102,6 +111,7 @@ class _Run:
     def __init__(self, config: ConnectorConfig, async_scheduling: bool, result: TraceResult,
                  hook: Hook | None = None) -> None:
         self.config, self.result = config, result
+        self.draining = False
         self.s = VllmConnectorScheduler(config, SchedulerOptions(async_scheduling=async_scheduling, auto_finish=True),
                                         lambda rid, n: 100 + (sum(map(ord, rid)) + 7 * n) % 5)
         if hook is not None:
@@ -114,10 +124,14 @@ class _Run:
         """Apply one operation, recorded first (a crash's operation is the trace's last); False
         when it no longer applies (skipped, not recorded)."""
         s, kind = self.s, op["op"]
-        self.result.ops.append(op)
         if (kind == "add" and op["rid"] in s.requests) or (kind == "abort" and op["rid"] not in self.unfinished()):
-            self.result.ops.pop()
             return False
+        self.result.ops.append(op)
+        self._do(op)
+        return True
+
+    def _do(self, op: Op) -> None:
+        s, kind = self.s, op["op"]
         if kind == "add":
             s.add_request(op["rid"], list(op["prompt"]), int(op["max_tokens"]))
         elif kind == "step":
@@ -132,7 +146,6 @@ class _Run:
             s.reset()
         else:
             raise ValueError(f"unknown connector operation {kind!r}")
-        return True
 
     def judge(self) -> bool:
         """Check the state after the last operation (the step snapshot too, after a schedule())."""
@@ -143,27 +156,97 @@ class _Run:
             s.step_snapshot = None
         violations = violations or check(s.snapshot())
         if violations:
-            self.result.finding = {"kind": "violation", "op_index": len(self.result.ops) - 1,
+            self.result.finding = {"kind": "violation", "op_index": self.op_index(),
                                    "ids": sorted({v.id for v in violations}),
                                    "violations": [str(v) for v in violations[:8]]}
             return True
         return False
 
+    def op_index(self) -> int:
+        """Where the trace is: the index of the operation last applied, or ``len(ops)`` in the
+        drain (which records no operation: a replay drains the same way)."""
+        return len(self.result.ops) - (0 if self.draining else 1)
+
     def drain(self) -> None:
+        """Steps with every job finished until vLLM has nothing left, judged after each (the
+        steps are not recorded as operations: each needs the finishing before it). Stuck when
+        nothing changes for ``STALL_STEPS`` steps (``stuck:head-of-line`` or ``stuck:stall``)
+        or the steps run out while things still change (``stuck:drain``)."""
         s = self.s
-        for _ in range(DRAIN_STEPS):
+        self.draining = True
+        limit = DRAIN_STEPS + DRAIN_STEPS_PER_REQUEST * len(self.unfinished())
+        last: tuple[Any, ...] | None = None
+        still = steps = 0
+        while steps < limit and still < STALL_STEPS:
             s.finish_jobs(list(s.jobs))
             if not s.scheduler.has_requests() and not s.in_flight:
                 return
-            if self.apply({"op": "step", "chunk": 64}) and self.judge():
+            self._do({"op": "step", "chunk": 64})
+            steps += 1
+            if self.judge():
                 return
+            state = self._progress()
+            still, last = (still + 1 if state == last else 0), state
         stuck = [f"{r}:{s.requests[r].status.name}" for r in self.unfinished()]
-        self.result.finding = {"kind": "stuck", "op_index": len(self.result.ops), "ids": ["drain"],
-                               "violations": [f"vLLM still has work after {DRAIN_STEPS} drain steps: "
-                                              f"{len(s.jobs)} jobs, requests {stuck}"]}
+        blocked = _head_of_line(s) if still >= STALL_STEPS else None
+        kind = "drain" if still < STALL_STEPS else "stall" if blocked is None else "head-of-line"
+        what = (f"vLLM still has work after {steps} drain steps" if kind == "drain" else
+                f"vLLM makes no progress: the same state for {STALL_STEPS} drain steps in a row")
+        self.result.finding = {"kind": "stuck", "op_index": len(self.result.ops), "ids": [kind],
+                               "violations": [f"{what} (every job finished before each): {len(s.jobs)} jobs, "
+                                              f"requests {stuck}", *([blocked] if blocked else [])]}
+
+    def _progress(self) -> tuple[Any, ...]:
+        """What a drain step can change: each request's status and token counts, the jobs in
+        flight and reported, the batches in flight."""
+        s = self.s
+        return (tuple((rid, r.status.name, r.num_computed_tokens, r.num_output_tokens)
+                      for rid, r in sorted(s.requests.items())), len(s.jobs), len(s.reported), len(s.in_flight))
 
 
-def _crash(result: TraceResult, exc: BaseException) -> None:
+def _head_of_line(s: VllmConnectorScheduler) -> str | None:
+    """What a stuck drain looks like when it is the scheduler's head-of-line block: nothing
+    running, and at the head of ``skipped_waiting`` a request that is not waiting for anything
+    (only for GPU blocks) ahead of requests whose loads finished (in
+    ``finished_recving_kv_req_ids``) and hold GPU blocks: ``schedule()`` stops at the first
+    allocation that fails, so they are never promoted. None when the state is other."""
+    sched = s.scheduler
+    if not hasattr(sched, "skipped_waiting"):  # 0.31.0 on: blocks holders have a queue of their own
+        return None
+    queue = list(sched.skipped_waiting)
+    if sched.running or not queue or queue[0].status.name.startswith("WAITING_FOR_"):
+        return None
+    recved: set[str] = getattr(sched, "finished_recving_kv_req_ids", set())
+    held = {r.request_id: sum(b != 0 for ids in sched.kv_cache_manager.get_block_ids(r.request_id) for b in ids)
+            for r in queue[1:] if r.status.name == "WAITING_FOR_REMOTE_KVS" and r.request_id in recved}
+    held = {rid: n for rid, n in held.items() if n}
+    if not held:
+        return None
+    return (f"head-of-line: {queue[0].request_id} ({queue[0].status.name}) heads skipped_waiting and cannot get "
+            f"GPU blocks ({s.pool.get_num_free_blocks()} free); behind it, loads finished and GPU blocks held: "
+            f"{held}; nothing runs")
+
+
+class Verdict(Exception):
+    """Raised by a hook to end a trace with a finding of the hook's own (the connector lockstep's
+    divergence); recorded as a crash, which the hook's driver then names."""
+
+
+_KVSPEC = str(Path(__file__).resolve().parents[1])
+
+
+def _raised_by_kvspec(exc: BaseException) -> bool:
+    """Whether the innermost frame of vLLM's or kvspec's code in the traceback is kvspec's: then
+    the error is the harness's (a bad configuration, a kvspec bug), not a finding about vLLM."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if "/vllm/" in frame.filename:
+            return False
+        if str(Path(frame.filename).resolve()).startswith(_KVSPEC):
+            return True
+    return False
+
+
+def _crash(result: TraceResult, exc: BaseException, op_index: int) -> None:
     """A crash finding: the exception and the innermost frame in vLLM's code."""
     where = "?"
     for frame in reversed(traceback.extract_tb(exc.__traceback__)):
@@ -173,12 +256,13 @@ def _crash(result: TraceResult, exc: BaseException) -> None:
             where = f"{frame.filename.split('/vllm/')[-1].removeprefix('distributed/kv_transfer/kv_connector/v1/')}" \
                     f":{frame.name}: {' '.join(text.split())[:90]}"
             break
-    result.finding = {"kind": "crash", "op_index": len(result.ops) - 1, "ids": [type(exc).__name__], "where": where,
+    result.finding = {"kind": "crash", "op_index": op_index, "ids": [type(exc).__name__], "where": where,
                       "violations": [f"{type(exc).__name__}: {exc}", *traceback.format_exc().splitlines()[-6:]]}
 
 
 def _execute(config: ConnectorConfig, async_scheduling: bool, result: TraceResult,
              ops: Iterator[Op] | list[Op], drain: bool = True, hook: Hook | None = None) -> TraceResult:
+    run: _Run | None = None
     try:
         run = _Run(config, async_scheduling, result, hook)
         if isinstance(ops, list):
@@ -190,8 +274,10 @@ def _execute(config: ConnectorConfig, async_scheduling: bool, result: TraceResul
                 return result
         if drain:
             run.drain()
-    except Exception as exc:  # vLLM raised: a crash finding
-        _crash(result, exc)
+    except Exception as exc:
+        if not isinstance(exc, Verdict) and _raised_by_kvspec(exc):
+            raise
+        _crash(result, exc, run.op_index() if run is not None else -1)  # vLLM raised: a crash finding
     return result
 
 
@@ -228,8 +314,11 @@ def _draw_ops(rng: random.Random, config: ConnectorConfig, profile: str, num_ops
     ids = iter(range(10**6))
     long_out = profile == "decode"
     run: _Run | None = None
+    weights = list(WEIGHTS[profile])
+    if profile == "preempt":  # aborts free GPU blocks between two schedules: room for a preempted
+        weights[3] = rng.choice(PREEMPT_ABORTS)  # request to come back in the very next one (#46014)
     for _ in range(num_ops):
-        kind = rng.choices(["add", "step", "work", "abort", "reset"], WEIGHTS[profile])[0]
+        kind = rng.choices(["add", "step", "work", "abort", "reset"], weights)[0]
         if run is not None and not run.s.requests:
             kind = "add"
         op: Op

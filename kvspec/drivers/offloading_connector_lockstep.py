@@ -31,7 +31,16 @@ from typing import Any, NamedTuple
 from kvspec.adapters.vllm_offloading import _unpack
 from kvspec.adapters.vllm_offloading_connector import ConnectorConfig, VllmConnectorScheduler
 from kvspec.contract.offloading import key_text
-from kvspec.drivers.offloading_connector_fuzz import PROFILES, Hook, Op, TraceResult, draw_config, run_ops, run_trace
+from kvspec.drivers.offloading_connector_fuzz import (
+    PROFILES,
+    Hook,
+    Op,
+    TraceResult,
+    Verdict,
+    draw_config,
+    run_ops,
+    run_trace,
+)
 from kvspec.model.offloading.connector import (
     ConnectorModelConfig,
     JobView,
@@ -45,7 +54,7 @@ from kvspec.model.offloading.manager import snapshot_of
 ModelFactory = Callable[[ConnectorModelConfig], OffloadingConnectorModel]
 
 
-class LockstepDivergence(Exception):
+class LockstepDivergence(Verdict):
     """The model and vLLM's connector differ after a call (``record`` says how)."""
 
     def __init__(self, record: dict[str, Any]) -> None:
