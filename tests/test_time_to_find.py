@@ -59,8 +59,8 @@ def test_bugs_with_seeds_report_the_medians_of_every_seed(capsys: pytest.Capture
     assert "median s" in table and "median ops" in table and " 3/3 " in table
 
 
-def _args(tmp_path: Path, seed: int, budget: float) -> argparse.Namespace:
-    return argparse.Namespace(seed=seed, budget=budget, out=str(tmp_path), raw=False)
+def _args(tmp_path: Path, seed: int, budget: float, swarm: bool = True) -> argparse.Namespace:
+    return argparse.Namespace(seed=seed, budget=budget, out=str(tmp_path), raw=False, swarm=swarm)
 
 
 def test_the_history_search_reports_operations_to_each_finding(tmp_path: Path) -> None:
@@ -78,6 +78,9 @@ def test_the_history_search_reports_operations_to_each_finding(tmp_path: Path) -
     # deterministic in the seed: the first finding is met after the same operations again
     again = next(history.search("0.33.0", make_scheduler, _args(tmp_path, 0, 3.0)))
     assert (again["finding"], again["ops"]) == (found[0]["finding"], found[0]["ops"])
+    # one mix for every trace (--no-swarm) searches other traces and finds the FIXME too
+    plain = list(history.search("0.33.0", make_scheduler, _args(tmp_path, 0, 3.0, swarm=False)))
+    assert any(r.get("invariant") == "C1" for r in plain[:-1]) and plain[0]["ops"] != found[0]["ops"]
 
 
 def _row(version: str, seed: int, what: str, seconds: float, ops: int) -> dict[str, Any]:

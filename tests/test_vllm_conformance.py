@@ -383,6 +383,31 @@ def test_vllm_target_is_registered_and_baseline_only() -> None:
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
+def test_a_free_queue_whose_links_loop_is_read_to_a_bound() -> None:
+    """A block linked into vLLM's free queue twice (#42571, 0.19.1-0.23.0) can make the links
+    loop, and vLLM's own walk of the queue never ends; kvspec's reading stops at its bound, and
+    the snapshot then shows a queue longer than the pool (I1 fires) instead of eating memory."""
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+    from kvspec.adapters.targets import get_factory
+    from kvspec.adapters.vllm_compat import free_blocks_in
+    from kvspec.oracle.catalogue import check
+
+    blocks = [KVCacheBlock(block_id=i) for i in range(4)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    assert [b.block_id for b in free_blocks_in(queue, 10)] == [0, 1, 2, 3]
+    blocks[3].next_free_block = blocks[1]  # the tail's link points back into the queue
+    assert [b.block_id for b in free_blocks_in(queue, 5)] == [0, 1, 2, 3, 1]
+    target = get_factory("vllm")(CONFIGS["full-ws1"])
+    pool = target.gpu_pool.pool
+    last = pool.free_block_queue.fake_free_list_tail.prev_free_block
+    last.next_free_block = pool.free_block_queue.fake_free_list_head.next_free_block.next_free_block
+    found = [v for v in check(target.snapshot()) if v.id == "I1"]
+    assert any("queued 2 times" in str(v) for v in found), found
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")
 def test_vllm_snapshots_follow_the_snapshot_schema() -> None:
     from kvspec.contract.snapshot_io import snapshot_issues
 

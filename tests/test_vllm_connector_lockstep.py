@@ -7,7 +7,8 @@ and manager snapshots must agree after each.
 * ``KVSPEC_VLLM_CONNECTOR_LOCKSTEP_TRACES`` traces of 60 operations (default 8; the generation
   profiles mixed, preempt, window and decode in turn, eight traces each): LRU and ARC,
   sync and async scheduling, with and without a sliding-window group, now and then a store
-  threshold; 0 divergences.
+  threshold; 0 divergences. ``KVSPEC_VLLM_CONNECTOR_LOCKSTEP_SEED`` (default 11) picks the
+  configurations and seeds.
 * The saved divergence trace (tests/traces/connector_lockstep/) replays clean, and diverges
   again under a model without the rule that fixed it.
 * Two more model rules broken on purpose are caught: decode tokens stored despite
@@ -34,6 +35,7 @@ pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not VLLM_OK, reason=f"vLLM 0.33.0 is not importable here: {VLLM_WHY}")]
 
 TRACES = int(os.environ.get("KVSPEC_VLLM_CONNECTOR_LOCKSTEP_TRACES", "8"))
+SEED = int(os.environ.get("KVSPEC_VLLM_CONNECTOR_LOCKSTEP_SEED", "11"))
 LENGTH = 60
 SAVED = Path(__file__).parent / "traces" / "connector_lockstep"
 
@@ -43,7 +45,7 @@ def test_the_model_agrees_with_vllms_connector_after_every_call() -> None:
 
     traces = steps = calls = 0
     kinds: set[tuple[str, bool, bool]] = set()
-    for config, async_scheduling, seed, profile in lockstep_configs(TRACES, seed=11):
+    for config, async_scheduling, seed, profile in lockstep_configs(TRACES, seed=SEED):
         r = run_lockstep_trace(config, async_scheduling, seed, LENGTH, profile=profile)
         path = save_divergence(r, LENGTH)
         assert r.divergence is None, (config, async_scheduling, seed, profile, path, r.divergence)

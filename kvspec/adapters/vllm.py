@@ -141,13 +141,13 @@ class _BlockView:
 
 
 class _FreeQueueView:
-    """The ids of a vLLM free queue, head (evicted first) to tail."""
+    """The ids of a vLLM free queue, head (evicted first) to tail, at most ``limit`` of them."""
 
-    def __init__(self, queue: Any) -> None:
-        self._queue = queue
+    def __init__(self, queue: Any, limit: int) -> None:
+        self._queue, self._limit = queue, limit
 
     def __iter__(self) -> Iterator[int]:
-        return (b.block_id for b in compat.free_blocks_in(self._queue))
+        return (b.block_id for b in compat.free_blocks_in(self._queue, self._limit))
 
     def __len__(self) -> int:
         return int(self._queue.num_free_blocks)
@@ -177,7 +177,7 @@ def pool_snapshot(pool: Any) -> dict[str, Any]:
         pool.num_gpu_blocks,
         (b.ref_cnt for b in pool.blocks),
         (None if b.block_hash is None else _key_text(b.block_hash) for b in pool.blocks),
-        (b.block_id for b in compat.free_blocks_in(pool.free_block_queue)),
+        (b.block_id for b in compat.free_blocks_in(pool.free_block_queue, pool.num_gpu_blocks + 1)),
         _cached_map(pool),
         pool.free_block_queue.num_free_blocks,
     )
@@ -212,7 +212,7 @@ class VllmPool:
         self.num_blocks: int = pool.num_gpu_blocks
         self.ref_cnt = _BlockView(pool.blocks, lambda b: b.ref_cnt)
         self.block_hash = _BlockView(pool.blocks, lambda b: key_from_bytes(b.block_hash))
-        self.free_queue = _FreeQueueView(pool.free_block_queue)
+        self.free_queue = _FreeQueueView(pool.free_block_queue, pool.num_gpu_blocks + 1)
 
     def get_num_free_blocks(self) -> int:
         return int(self.pool.get_num_free_blocks())

@@ -218,11 +218,17 @@ def pending_hits(manager: Any, lookup_local: Mapping[str, int]) -> Iterator[tupl
         yield rid, pending_hit(pin, lookup_local.get(rid, 0))
 
 
-def free_blocks_in(queue: Any) -> Iterator[Any]:
-    """A free queue's blocks, head to tail (``iter_blocks_after`` from 0.29, a list before)."""
-    if hasattr(queue, "iter_blocks_after"):
-        return iter(queue.iter_blocks_after(None))
-    return iter(queue.get_all_free_blocks())
+def free_blocks_in(queue: Any, limit: int) -> Iterator[Any]:
+    """A free queue's blocks, head to tail, walked on its links between the two sentinels as every
+    release's own iteration walks them, but at most ``limit``: a block linked in twice can make
+    the links loop (vLLM #42571), and then vLLM's own walk never ends. O(min(len, limit))."""
+    tail = queue.fake_free_list_tail
+    block = queue.fake_free_list_head.next_free_block
+    for _ in range(limit):
+        if block is None or block is tail:
+            return
+        yield block
+        block = block.next_free_block
 
 
 def insert_block_hash(pool: Any, key: bytes, block: Any) -> None:

@@ -19,14 +19,19 @@ judged there: what vLLM then does is the finding (violation or crash); if the in
 the row's kind is *divergence* (the model's rule is stricter than vLLM, not a vLLM bug).
 ``--raw`` runs the whole search on the raw target.
 
-The table: release x finding, with the seconds of searching (shrinking the earlier findings left
-out) and the operations applied until it was found (with ``--seeds K``: the medians over K
-searches with seeds ``seed .. seed+K-1``, a search that did not make it counting as longer than
-any that did: ``kvspec.drivers.findtime``), the shrunk trace's length and the public vLLM issues
-whose cause, verified in the releases' code, is in that release and shows as that invariant or
-exception (``KNOWN``; several are joined by "or", and ``scripts/vllm-history-matrix.py`` tells
-them apart by where each kept trace stops failing). Progress goes to stderr. Exit codes: 0
-nothing found, 1 findings, 2 bad arguments or a missing venv, 3 internal error.
+Each trace draws its own operation mix (swarm testing, ``opgen.swarm_mix``: the weight of each
+kind and the chances of preempting, admitting, budgets and whole reports drawn per trace);
+``--no-swarm`` uses one mix for all.
+
+The table: release x finding, with the seconds of searching (vLLM's import, timed before the
+search starts, and shrinking the earlier findings left out) and the operations applied until it
+was found (with ``--seeds K``: the medians over K searches with seeds ``seed .. seed+K-1``, a
+search that did not make it counting as longer than any that did: ``kvspec.drivers.findtime``),
+the shrunk trace's length and the public vLLM issues whose cause, verified in the releases'
+code, is in that release and shows as that invariant or exception (``KNOWN``; several are
+joined by "or", and ``scripts/vllm-history-matrix.py`` tells them apart by where each kept trace
+stops failing). Progress goes to stderr. Exit codes: 0 nothing found, 1 findings, 2 bad
+arguments or a missing venv, 3 internal error.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="directory for the shrunk traces (default fuzz-out/history)")
     p.add_argument("--raw", action="store_true",
                    help="fuzz raw:vllm@VERSION: calls the model would refuse reach vLLM (default: vllm@VERSION)")
+    p.add_argument("--no-swarm", dest="swarm", action="store_false",
+                   help="one operation mix for every trace (default: swarm testing, each trace its own mix)")
     add_workers_argument(p, "releases fuzzed at once, each in its own venv's process")
     p.add_argument("--worker", metavar="VERSION", default=None, help=argparse.SUPPRESS)
     p.add_argument("--manager", choices=("simple", "offloading"), default="simple",
@@ -180,7 +187,8 @@ def _run_release(version: str, seed: int, args: argparse.Namespace) -> list[dict
     python = compat.venv_for(version) / "bin" / "python"
     out = str(args.out) if args.seeds == 1 else str(Path(args.out) / f"seed-{seed}")
     cmd = [str(python), "-m", "kvspec.cli", "history", "--worker", version, "--budget", str(args.budget),
-           "--seed", str(seed), "--out", out, *(["--raw"] if args.raw else [])]
+           "--seed", str(seed), "--out", out, *(["--raw"] if args.raw else []),
+           *([] if args.swarm else ["--no-swarm"])]
     print(f"history: vLLM {version}: fuzzing for {args.budget:.0f}s, seed {seed} ({python})", file=sys.stderr)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.budget * 2 + 300)
     if proc.returncode not in (EXIT_CLEAN, EXIT_FINDING):
@@ -265,6 +273,11 @@ def _worker(args: argparse.Namespace) -> int:
     single_threaded()
     target = f"{compat.TARGET_PREFIX}{args.worker}"
     factory = get_factory(raw_target(target) if args.raw else target)
+    t0 = time.monotonic()
+    factory(OffloadConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=8, policy="baseline"))
+    args.setup_seconds = round(time.monotonic() - t0, 3)  # importing vLLM: before the search's clock
+    print(f"history: vLLM {args.worker}: imported and built in {args.setup_seconds:.1f}s (not counted in the search)",
+          file=sys.stderr)
     found = False
     for row in search(args.worker, factory, args):
         print(json.dumps(row), flush=True)
@@ -311,7 +324,7 @@ def search(version: str, factory: Any, args: argparse.Namespace) -> Iterator[dic
     for why, n in replays.items():
         print(f"history: vLLM {version}: WARNING: {n} trace(s) replayed ({why}): {REPLAYS[why]}", file=sys.stderr)
     yield {"_end": True, "version": version, "seed": args.seed, "seconds": round(time.monotonic() - start - paused, 3),
-           "ops": ops, "traces": traces}
+           "ops": ops, "traces": traces, "setup_seconds": getattr(args, "setup_seconds", 0.0)}
 
 
 def _one_trace(version: str, cfg: OffloadConfig, factory: Any, oracle: tuple[str, ...], rng: random.Random,
@@ -321,10 +334,11 @@ def _one_trace(version: str, cfg: OffloadConfig, factory: Any, oracle: tuple[str
     ``ops``: ``ops_before`` and this trace's up to the finding). A refusal by kvspec's adapter is
     judged again on the raw target (``_judged_raw``)."""
     from kvspec.drivers.harness import _finding_trace, finding_name, generate, save_trace, shrink
-    from kvspec.drivers.opgen import OpMix
+    from kvspec.drivers.opgen import OpMix, RandomChoices, swarm_mix
     from kvspec.oracle.oracles import Oracle
 
-    mix = OpMix(num_families=rng.choice([1, 2, 3]), readmit_preempted=True)
+    mix = (replace(swarm_mix(RandomChoices(rng)), readmit_preempted=True) if args.swarm
+           else OpMix(num_families=rng.choice([1, 2, 3]), readmit_preempted=True))
     trace_ops, out = generate(cfg, factory, rng, 120, oracle, mix=mix, strict=True)
     row: dict[str, Any] = {"_ops": len(trace_ops), "_replayed": out.replayed}
     if not out.failed:
