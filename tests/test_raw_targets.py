@@ -100,9 +100,6 @@ def test_a_block_vllm_cannot_hand_out_is_a_crash_not_a_refusal(bad: int) -> None
 class _FakeQueue:
     num_free_blocks = 2
 
-    def get_all_free_blocks(self) -> list[Any]:
-        return [_block(1), _block(2)]
-
 
 class _FakePool:
     """A vLLM ``BlockPool`` stand-in whose ``get_new_blocks`` hands out the free list's sentinel."""
