@@ -198,7 +198,7 @@ def test_history_raw_reaches_the_worker(monkeypatch: pytest.MonkeyPatch) -> None
         return SimpleNamespace(returncode=0, stdout="")
 
     monkeypatch.setattr(history.subprocess, "run", fake_run)
-    args = argparse.Namespace(budget=1.0, seed=0, out="x", raw=True, seeds=1, swarm=True)
+    args = argparse.Namespace(budget=1.0, seed=0, out="x", raw=True, seeds=1, swarm=True, continue_=True)
     assert history._run_release("0.23.0", 0, args) == []
     assert commands[0][-1] == "--raw"
     history._run_release("0.23.0", 0, argparse.Namespace(**{**vars(args), "raw": False, "swarm": False}))

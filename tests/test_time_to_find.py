@@ -60,7 +60,7 @@ def test_bugs_with_seeds_report_the_medians_of_every_seed(capsys: pytest.Capture
 
 
 def _args(tmp_path: Path, seed: int, budget: float, swarm: bool = True) -> argparse.Namespace:
-    return argparse.Namespace(seed=seed, budget=budget, out=str(tmp_path), raw=False, swarm=swarm)
+    return argparse.Namespace(seed=seed, budget=budget, out=str(tmp_path), raw=False, swarm=swarm, continue_=True)
 
 
 def test_the_history_search_reports_operations_to_each_finding(tmp_path: Path) -> None:
@@ -131,3 +131,32 @@ def test_the_script_prints_the_table_the_readme_quotes(tmp_path: Path) -> None:
     medians = json.loads(out.read_text())["medians"]
     assert medians["stamped-unregistered"]["found_seeds"] == 2
     assert [p["seed"] for p in medians["stamped-unregistered"]["per_seed"]] == [1, 2]
+
+
+def test_connector_history_gives_each_signature_its_median_over_the_seeds() -> None:
+    """``kvspec history --connector offloading --seeds K``: per release and signature, the first
+    seed's finding with the medians over the release's searches; a search without it is censored
+    at its own end (seconds and operations of the whole search)."""
+    from kvspec.commands._connector_history import aggregate
+
+    def finding(sig: str, seconds: float, ops: int) -> dict[str, Any]:
+        return {"signature": sig, "seconds": seconds, "search_ops": ops, "traces": 3, "profile": "mixed",
+                "ops": [{"op": "step"}], "trace": f"{sig}.json", "known": ""}
+
+    campaigns = {
+        ("0.23.0", 0): {"seconds": 60.0, "search_ops": 9000, "findings": [finding("crash:A", 5.0, 500)]},
+        ("0.23.0", 1): {"seconds": 60.0, "search_ops": 8000,
+                        "findings": [finding("violation:O14", 1.0, 90), finding("crash:A", 9.0, 700)]},
+        ("0.23.0", 2): {"seconds": 60.0, "search_ops": 7000, "findings": []},
+        ("0.33.0", 0): {"seconds": 60.0, "search_ops": 5000, "findings": [finding("violation:O14", 2.0, 100)]},
+    }
+    rows = aggregate(["0.23.0", "0.33.0"], campaigns)
+    assert [(r["version"], r["signature"]) for r in rows] == [
+        ("0.23.0", "crash:A"), ("0.23.0", "violation:O14"), ("0.33.0", "violation:O14")]
+    crash, o14, later = rows
+    assert (crash["seed"], crash["found_seeds"], crash["seeds"]) == (0, 2, 3)
+    assert (crash["median_seconds"], crash["median_ops"]) == (9.0, 700.0)  # 5, 9 and a censored 60
+    assert o14["seed"] == 1 and o14["found_seeds"] == 1 and o14["median_seconds"] is None
+    assert [p["found"] for p in o14["per_seed"]] == [False, True, False]
+    assert o14["per_seed"][0] == {"seed": 0, "found": False, "seconds": 60.0, "ops": 9000}
+    assert (later["seeds"], later["median_seconds"], later["median_ops"]) == (1, 2.0, 100.0)

@@ -104,3 +104,28 @@ def test_a_release_without_the_harness_is_refused(tmp_path: Path) -> None:
 
     assert main(["history", "--connector", "offloading", "--releases", "0.19.1", "--budget", "1"]) == 2
     assert main(["history", "--connector", "offloading", "--raw", "--budget", "1"]) == 2
+
+
+@pytest.mark.vllm
+@VLLM_HERE
+def test_seeds_give_each_finding_its_median(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--seeds 2 --workers 2`` on 0.33.0: two searches side by side, each saving under its own
+    ``seed-N`` folder; per signature, the medians over both (the double reset crash comes within
+    seconds in every release: CONNECTOR_KNOWN)."""
+    from kvspec.cli import main
+
+    if not (compat.venv_for("0.33.0", ROOT) / "bin" / "python").exists():
+        pytest.skip("no venv for vLLM 0.33.0 here")
+    code = main(["history", "--connector", "offloading", "--versions", "0.33.0", "--budget", "8", "--seeds", "2",
+                 "--workers", "2", "--json", "--out", str(tmp_path)])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    campaigns = [r for r in rows if "traces" in r and "findings" in r]
+    ttf = [r for r in rows if r.get("time_to_find")]
+    assert sorted(c["seed"] for c in campaigns) == [0, 1] and all(c["search_ops"] > 0 for c in campaigns)
+    assert code == (1 if ttf else 0)
+    for r in ttf:
+        assert r["seeds"] == 2 and [p["seed"] for p in r["per_seed"]] == [0, 1]
+        assert r["trace"] is None or Path(r["trace"]).parent == tmp_path / f"seed-{r['seed']}" / "0.33.0"
+        found = sorted(p["seconds"] for p in r["per_seed"] if p["found"])
+        assert r["found_seeds"] == len(found) and (r["median_seconds"] is None) == (len(found) < 2)
+    assert "matrix" in rows[-1]

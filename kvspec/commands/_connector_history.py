@@ -9,6 +9,10 @@ crash's exception and innermost vLLM function and statement) is shrunk (its time
 in the budget) and saved as ``--out/VERSION/<n>-<kind>.json``. Then every saved trace, of every
 release, is replayed on every release: the matrix says where each finding appears and where it
 stops. Known causes (``CONNECTOR_KNOWN``) name the vLLM change read in the releases' code.
+``--seeds K`` runs K searches per release (seeds ``seed .. seed+K-1``, traces under
+``--out/seed-N/VERSION/``) and gives each finding's time to find as the medians over them
+(``kvspec.drivers.findtime``: seconds of search, operations applied); ``--workers N`` runs N
+searches at once, each in its own process.
 Exit codes: 0 nothing found, 1 findings, 2 bad arguments or a missing venv.
 """
 
@@ -20,12 +24,15 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvspec.adapters import vllm_compat as compat
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError
+from kvspec.drivers.campaign import check_workers
+from kvspec.drivers.findtime import Sample, describe, time_to_find
 
 TRACE_FORMAT = "kvspec-connector-trace/1"
 
@@ -108,24 +115,36 @@ def history(args: argparse.Namespace) -> int:
     if missing:
         raise ConfigError("no venv for vLLM " + ", ".join(missing) + "; build each with "
                           "scripts/setup-vllm-release.sh VERSION")
-    campaigns: dict[str, dict[str, Any]] = {}
-    for v in versions:
-        print(f"history: vLLM {v}: the OffloadingConnector harness for {args.budget:.0f}s", file=sys.stderr)
-        campaigns[v] = _call(v, args, [])
-    traces = sorted(str(p) for v in versions for p in (Path(args.out) / v).glob("*.json"))
+    jobs = [(v, seed) for v in versions for seed in range(args.seed, args.seed + args.seeds)]
+    with ThreadPoolExecutor(max_workers=max(1, min(check_workers(args.workers), len(jobs)))) as pool:
+        done = list(pool.map(lambda job: _campaign(job[0], job[1], args), jobs))
+    campaigns = dict(zip(jobs, done, strict=True))
+    traces = sorted(str(p) for v, seed in jobs for p in (_out(args, seed) / v).glob("*.json"))
     matrix: dict[str, dict[str, str | None]] = {t: {} for t in traces}
     if traces:
         for v in versions:
             print(f"history: vLLM {v}: replaying {len(traces)} traces", file=sys.stderr)
-            for row in _call(v, args, ["--replay", *traces])["replays"]:
+            for row in _call(v, args, args.seed, Path(args.out), ["--replay", *traces])["replays"]:
                 matrix[row["trace"]][v] = row["signature"]
-    _report(versions, campaigns, matrix, args)
+    _report(versions, campaigns, aggregate(versions, campaigns), matrix, args)
     return EXIT_FINDING if any(c["findings"] for c in campaigns.values()) else EXIT_CLEAN
 
 
-def _call(version: str, args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+def _out(args: argparse.Namespace, seed: int) -> Path:
+    """Where the search with ``seed`` saves its traces: ``--out`` itself for one seed, else
+    ``--out/seed-N`` (each release's traces in a folder of its own below)."""
+    return Path(args.out) if args.seeds == 1 else Path(args.out) / f"seed-{seed}"
+
+
+def _campaign(version: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    print(f"history: vLLM {version}: the OffloadingConnector harness for {args.budget:.0f}s, seed {seed}",
+          file=sys.stderr)
+    return _call(version, args, seed, _out(args, seed), [])
+
+
+def _call(version: str, args: argparse.Namespace, seed: int, out: Path, extra: list[str]) -> dict[str, Any]:
     cmd = [str(_python(version)), "-m", "kvspec.cli", "history", "--connector", "offloading", "--worker", version,
-           "--budget", str(args.budget), "--seed", str(args.seed), "--out", str(args.out), *extra]
+           "--budget", str(args.budget), "--seed", str(seed), "--out", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.budget * 4 + 900, env=worker_env())
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["(no message)"]
@@ -140,24 +159,49 @@ def worker_env() -> dict[str, str]:
     return {**os.environ, "PYTHONHASHSEED": "0"}
 
 
-def _report(versions: list[str], campaigns: dict[str, dict[str, Any]], matrix: dict[str, dict[str, str | None]],
-            args: argparse.Namespace) -> None:
+def aggregate(versions: list[str], campaigns: dict[tuple[str, int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per release and signature: the first seed's finding (its trace, profile, cause)
+    with the time to find over the release's seeds (``kvspec.drivers.findtime``: a search without
+    the finding is censored at its end). O(findings x seeds)."""
+    rows: list[dict[str, Any]] = []
+    for v in versions:
+        mine = [(seed, c) for (ver, seed), c in campaigns.items() if ver == v]
+        sigs = list(dict.fromkeys(f["signature"] for _, c in mine for f in c["findings"]))
+        for sig in sigs:
+            samples, first = [], None
+            for seed, c in mine:
+                f = next((f for f in c["findings"] if f["signature"] == sig), None)
+                if f is None:
+                    samples.append(Sample(seed, False, c["seconds"], c["search_ops"]))
+                    continue
+                first = first or {**f, "seed": seed}
+                samples.append(Sample(seed, True, f["seconds"], f["search_ops"]))
+            assert first is not None
+            rows.append({"version": v, **first, **time_to_find(samples).to_json()})
+    return rows
+
+
+def _report(versions: list[str], campaigns: dict[tuple[str, int], dict[str, Any]], rows: list[dict[str, Any]],
+            matrix: dict[str, dict[str, str | None]], args: argparse.Namespace) -> None:
     if args.json:
-        for v in versions:
-            print(json.dumps({"version": v, **campaigns[v]}))
+        for (v, seed), c in campaigns.items():
+            print(json.dumps({"version": v, "seed": seed, **c}))
+        for r in rows:
+            print(json.dumps({"time_to_find": True, **r}))
         print(json.dumps({"matrix": matrix}))
         return
-    print(f"{'release':8} {'traces':>6} {'steps':>7} {'search s':>8}  findings")
-    for v in versions:
-        c = campaigns[v]
-        print(f"{v:8} {c['traces']:6} {c['steps']:7} {c['seconds']:8.1f}  {len(c['findings'])}")
-    for v in versions:
-        for f in campaigns[v]["findings"]:
-            print(f"\n{v}  at {f['seconds']:.1f}s ({f['traces']} traces)  {f['signature']}")
-            print(f"  profile {f['profile']}, {len(f['ops'])} ops after shrinking: {f['trace']}" if f["trace"] else
-                  f"  profile {f['profile']}, {len(f['ops'])} ops: its replay did not meet it again "
-                  f"(replay: {f.get('replay') or 'clean'}; not saved)")
-            print(f"  {f['known'] or 'cause not known'}")
+    print(f"{'release':8} {'seed':>4} {'traces':>6} {'steps':>7} {'ops':>7} {'search s':>8}  findings")
+    for (v, seed), c in campaigns.items():
+        print(f"{v:8} {seed:4} {c['traces']:6} {c['steps']:7} {c['search_ops']:7} {c['seconds']:8.1f}  "
+              f"{len(c['findings'])}")
+    for f in rows:
+        secs, ops = describe(time_to_find([Sample(**p) for p in f["per_seed"]]), args.budget)
+        print(f"\n{f['version']}  {f['signature']}\n  found by {f['found_seeds']}/{f['seeds']} seeds, median {secs} s, "
+              f"{ops} operations (seed {f['seed']}: at {f['seconds']:.1f}s, {f['traces']} traces)")
+        print(f"  profile {f['profile']}, {len(f['ops'])} ops after shrinking: {f['trace']}" if f["trace"] else
+              f"  profile {f['profile']}, {len(f['ops'])} ops: its replay did not meet it again "
+              f"(replay: {f.get('replay') or 'clean'}; not saved)")
+        print(f"  {f['known'] or 'cause not known'}")
     if matrix:
         print("\nreplay matrix (trace x release: its finding there, '-' clean)")
         for trace, row in matrix.items():
@@ -191,23 +235,25 @@ def worker(args: argparse.Namespace) -> int:
     start = clock()
     seen: set[str] = set()
     findings: list[dict[str, Any]] = []
-    traces = steps = 0
+    traces = steps = search_ops = 0
     for r in ocf.campaign(args.budget, args.seed, clock=clock):
         traces += 1
         steps += r.steps
+        ops_before, search_ops = search_ops, search_ops + len(r.ops)
         sig = ocf.signature(r.finding)
         if sig is None or sig in seen:
             continue
         seen.add(sig)
         at = clock() - start
+        at_ops = ops_before + min(len(r.ops), r.finding["op_index"] + 1) if r.finding else search_ops
         t0 = time.monotonic()
         config = _config(r.config)
         ops, best = ocf.shrink(config, r.async_scheduling, r.ops, sig, profile=r.profile)
         paused[0] += time.monotonic() - t0
         if ocf.signature(best.finding) != sig:  # the replay does not meet it again: reported, not saved
-            findings.append({"signature": sig, "seconds": round(at, 1), "traces": traces, "profile": r.profile,
-                             "config": r.config, "async_scheduling": r.async_scheduling, "seed": r.seed,
-                             "ops": r.ops, "trace": None, "known": known_cause(args.worker, sig),
+            findings.append({"signature": sig, "seconds": round(at, 1), "search_ops": at_ops, "traces": traces,
+                             "profile": r.profile, "config": r.config, "async_scheduling": r.async_scheduling,
+                             "seed": r.seed, "ops": r.ops, "trace": None, "known": known_cause(args.worker, sig),
                              "replay": ocf.signature(best.finding)})
             continue
         out.mkdir(parents=True, exist_ok=True)
@@ -216,9 +262,10 @@ def worker(args: argparse.Namespace) -> int:
                "config": r.config, "async_scheduling": r.async_scheduling, "ops": ops,
                "finding": best.finding, "signature": sig}
         path.write_text(json.dumps(doc, indent=1) + "\n")
-        findings.append({"signature": sig, "seconds": round(at, 1), "traces": traces, "profile": r.profile,
-                         "ops": ops, "trace": str(path), "known": known_cause(args.worker, sig)})
-    print(json.dumps({"traces": traces, "steps": steps, "seconds": round(clock() - start, 1), "findings": findings}))
+        findings.append({"signature": sig, "seconds": round(at, 1), "search_ops": at_ops, "traces": traces,
+                         "profile": r.profile, "ops": ops, "trace": str(path), "known": known_cause(args.worker, sig)})
+    print(json.dumps({"traces": traces, "steps": steps, "search_ops": search_ops, "seconds": round(clock() - start, 1),
+                      "findings": findings}))
     return EXIT_CLEAN
 
 

@@ -21,7 +21,11 @@ the row's kind is *divergence* (the model's rule is stricter than vLLM, not a vL
 
 Each trace draws its own operation mix (swarm testing, ``opgen.swarm_mix``: the weight of each
 kind and the chances of preempting, admitting, budgets and whole reports drawn per trace);
-``--no-swarm`` uses one mix for all.
+``--no-swarm`` uses one mix for all. Once a violation is found, half the traces start from its
+shrunk trace and run on (``kvspec.drivers.continuation``): what a bug does after its first
+sign (a corrupted free queue walked later) is met without meeting the bug again by chance; a
+finding made so names the violation it ran on from (``continued``). ``--no-continue``: every
+trace starts fresh.
 
 The table: release x finding, with the seconds of searching (vLLM's import, timed before the
 search starts, and shrinking the earlier findings left out) and the operations applied until it
@@ -55,6 +59,7 @@ from kvspec.commands.fuzz import add_workers_argument, budget_seconds
 from kvspec.contract.config import KVGroup, OffloadConfig
 from kvspec.contract.errors import EXIT_CLEAN, EXIT_FINDING, ConfigError, exit_codes
 from kvspec.drivers.campaign import check_workers, single_threaded
+from kvspec.drivers.continuation import SHARE, Continuations, Kept
 from kvspec.drivers.findtime import Sample, describe, time_to_find
 
 NAME = "history"
@@ -138,6 +143,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fuzz raw:vllm@VERSION: calls the model would refuse reach vLLM (default: vllm@VERSION)")
     p.add_argument("--no-swarm", dest="swarm", action="store_false",
                    help="one operation mix for every trace (default: swarm testing, each trace its own mix)")
+    p.add_argument("--no-continue", dest="continue_", action="store_false",
+                   help="every trace starts fresh (default: once a violation is found, half the traces run on "
+                        "from its trace)")
     add_workers_argument(p, "releases fuzzed at once, each in its own venv's process")
     p.add_argument("--worker", metavar="VERSION", default=None, help=argparse.SUPPRESS)
     p.add_argument("--manager", choices=("simple", "offloading"), default="simple",
@@ -188,7 +196,7 @@ def _run_release(version: str, seed: int, args: argparse.Namespace) -> list[dict
     out = str(args.out) if args.seeds == 1 else str(Path(args.out) / f"seed-{seed}")
     cmd = [str(python), "-m", "kvspec.cli", "history", "--worker", version, "--budget", str(args.budget),
            "--seed", str(seed), "--out", out, *(["--raw"] if args.raw else []),
-           *([] if args.swarm else ["--no-swarm"])]
+           *([] if args.swarm else ["--no-swarm"]), *([] if args.continue_ else ["--no-continue"])]
     print(f"history: vLLM {version}: fuzzing for {args.budget:.0f}s, seed {seed} ({python})", file=sys.stderr)
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.budget * 2 + 300)
     if proc.returncode not in (EXIT_CLEAN, EXIT_FINDING):
@@ -288,22 +296,25 @@ def search(version: str, factory: Any, args: argparse.Namespace) -> Iterator[dic
     """The worker's search of ``factory``'s targets (``vllm@VERSION`` in the worker; any target in a
     test) for ``args.budget`` seconds with ``args.seed``: each distinct finding's row as it is
     made (``seconds`` and ``ops``: into the search when the finding's trace was drawn and applied
-    up to it), then the ``_end`` row."""
+    up to it), then the ``_end`` row (``continued``: the traces that ran on from a kept one)."""
     from kvspec.adapters.vllm import baseline_oracle
     from kvspec.drivers.harness import REPLAYS
 
     rng = random.Random(args.seed)
+    runs_on = Continuations(SHARE if args.continue_ else 0.0)
     start = time.monotonic()
     seen: set[tuple[str | None, str | None]] = set()
     found_ids: set[str] = set()
-    traces = ops = 0
+    traces = ops = continued = 0
     paused = 0.0  # seconds spent shrinking and judging findings: not searching
     replays: dict[str, int] = {}  # traces generate judged by a fresh, full replay, by cause
     while time.monotonic() - start < args.budget:
-        cfg = _config(rng)
+        start_from = runs_on.draw(rng)
+        continued += start_from is not None
+        cfg = start_from.config if start_from else _config(rng)
         skip = found_ids | set(compat.unclaimed(compat.Release(version)))
         oracle = tuple(i for i in baseline_oracle(cfg) if i not in skip)
-        row = _one_trace(version, cfg, factory, oracle, rng, seen, start + paused, ops, args)
+        row = _one_trace(version, cfg, factory, oracle, rng, seen, start + paused, ops, args, start_from, runs_on)
         traces += 1
         ops += row.pop("_ops") if row else 0
         paused += row.pop("_paused", 0.0)
@@ -323,22 +334,24 @@ def search(version: str, factory: Any, args: argparse.Namespace) -> Iterator[dic
     for why, n in replays.items():
         print(f"history: vLLM {version}: WARNING: {n} trace(s) replayed ({why}): {REPLAYS[why]}", file=sys.stderr)
     yield {"_end": True, "version": version, "seed": args.seed, "seconds": round(time.monotonic() - start - paused, 3),
-           "ops": ops, "traces": traces}
+           "ops": ops, "traces": traces, "continued": continued}
 
 
 def _one_trace(version: str, cfg: OffloadConfig, factory: Any, oracle: tuple[str, ...], rng: random.Random,
                seen: set[tuple[str | None, str | None]], start: float, ops_before: int,
-               args: argparse.Namespace) -> dict[str, Any]:
-    """One random trace; a new finding, shrunk and saved, as a row (``_ops``: operations run;
-    ``ops``: ``ops_before`` and this trace's up to the finding). A refusal by kvspec's adapter is
-    judged again on the raw target (``_judged_raw``)."""
+               args: argparse.Namespace, start_from: Kept | None, runs_on: Continuations) -> dict[str, Any]:
+    """One random trace, from a fresh start or running on from ``start_from``; a new finding,
+    shrunk and saved, as a row (``_ops``: operations run; ``ops``: ``ops_before`` and this trace's
+    up to the finding), a new violation's shrunk trace kept in ``runs_on``. A refusal by kvspec's
+    adapter is judged again on the raw target (``_judged_raw``)."""
     from kvspec.drivers.harness import _finding_trace, finding_name, generate, save_trace, shrink
     from kvspec.drivers.opgen import OpMix, RandomChoices, swarm_mix
     from kvspec.oracle.oracles import Oracle
 
     mix = (replace(swarm_mix(RandomChoices(rng)), readmit_preempted=True) if args.swarm
            else OpMix(num_families=rng.choice([1, 2, 3]), readmit_preempted=True))
-    trace_ops, out = generate(cfg, factory, rng, 120, oracle, mix=mix, strict=True)
+    prefix = start_from.ops if start_from else ()
+    trace_ops, out = generate(cfg, factory, rng, len(prefix) + 120, oracle, mix=mix, strict=True, prefix=prefix)
     row: dict[str, Any] = {"_ops": len(trace_ops), "_replayed": out.replayed}
     if not out.failed:
         return row
@@ -349,6 +362,8 @@ def _one_trace(version: str, cfg: OffloadConfig, factory: Any, oracle: tuple[str
     raw = args.raw
     if _refused(out) and not raw:
         factory, out, raw = _judged_raw(cfg, trace_ops, factory, oracle, out, target)
+    if out.kind == "expectation" and out.input_error:  # kvspec's generator or replay, not vLLM, is at fault
+        raise RuntimeError(f"history: kvspec's engine refused an operation of its own trace: {out.describe()}")
     sig = out.signature()
     if sig in seen:
         return row
@@ -363,11 +378,18 @@ def _one_trace(version: str, cfg: OffloadConfig, factory: Any, oracle: tuple[str
     path = save_trace(trace, Path(args.out) / version, finding_name(name, "baseline", what, trace))
     text = str(small_out.violation) if small_out.violation else small_out.describe()
     if kind == "divergence":
-        text = f"{text}; on {raw_target(target)} vLLM accepts it and every invariant holds"
+        text = f"{text}; on {raw_target(target)} vLLM accepts it and the invariants still searched for hold"
     row.update(version=version, finding=f"{what}: {text}"[:300], kind=kind,
                invariant=small_out.violation.id if small_out.violation else None, seconds=round(seconds, 3),
                trace_ops=len(small), trace=str(path), raw=raw, issue=issue_for(version, kind, what),
                seed=args.seed, ops=ops_before + len(trace_ops))
+    if start_from is not None:
+        row["continued"] = start_from.finding
+        if row["issue"] == "no public issue":  # say what state it was met in, without claiming a cause
+            row["issue"] += (f"; met running on from {start_from.finding} "
+                             f"({issue_for(version, 'violation', start_from.finding)})")
+    if kind == "violation" and raw == args.raw:  # a trace judged on the raw target would be refused again
+        runs_on.keep(cfg, small, str(what))
     row["_paused"] += time.monotonic()
     return row
 
@@ -376,8 +398,8 @@ def _judged_raw(cfg: OffloadConfig, ops: list[dict[str, Any]], factory: Any, ora
                 target: str) -> tuple[Any, Any, bool]:
     """A refusal of ``ops``' last operation by kvspec's adapter, judged on ``raw:<target>``, where
     the call reaches vLLM: (factory, outcome, raw). What vLLM then does (a violation or a crash) is
-    the finding, on the raw target; when every invariant holds, the refusal stays (on ``target``)
-    and is reported as a divergence."""
+    the finding, on the raw target; when the oracle's invariants (those not yet found) hold, the
+    refusal stays (on ``target``) and is reported as a divergence."""
     from kvspec.adapters.targets import get_factory
     from kvspec.drivers.harness import run_ops
 

@@ -681,6 +681,15 @@ class Engine:
         """Requests added so far (retired ones included)."""
         return len(self.requests) + len(self.retired)
 
+    def unused_request_id(self) -> str:
+        """``r<n>`` for the least n >= ``num_added`` that names no request yet: ``r<num_added>`` on a
+        trace the generator drew, a later number after a recorded trace whose ids skip (a shrunk
+        one). O(ids skipped)."""
+        n = self.num_added
+        while f"r{n}" in self.requests or f"r{n}" in self.retired:
+            n += 1
+        return f"r{n}"
+
     # -- scheduling pieces -------------------------------------------------------------------
 
     def status(self, rid: object) -> str:

@@ -83,6 +83,7 @@ class Outcome:
     op_name: str | None = None
     rejected: int = 0  # operations rejected cleanly on the way
     input_error: bool = False  # the expectation failed because the engine refused the trace's own input
+    accepted: bool = False  # the expectation failed because an operation expected to fail was accepted
     replayed: str | None = None  # why ``generate`` judged this trace by a fresh, full replay (``REPLAYS``)
 
     @property
@@ -107,6 +108,9 @@ class Outcome:
             return VIOLATION, self.violation.id
         if self.crash is not None:
             return CRASH, f"{self.op_name} {self.exception}"
+        if self.expectation is not None:  # the target refused, the engine refused the input, or it was accepted
+            how = "bad input" if self.input_error else "accepted" if self.accepted else "refused"
+            return EXPECTATION, f"{self.op_name} {how}"
         return self.kind, None
 
     def describe(self) -> str:
@@ -265,7 +269,8 @@ class Run:
         """A recorded operation did what its ``expect`` says (rejected for "error", else accepted)."""
         expect_error = op.get("expect") == "error"
         if expect_error and rejected is None:
-            return self._found(i, name, expectation=f"{name} was expected to be rejected, and was accepted")
+            return self._found(i, name, accepted=True,
+                               expectation=f"{name} was expected to be rejected, and was accepted")
         if expect_error or rejected is None:
             return None
         by_target = _raised_in(rejected, (self.engine.target, self.engine.gpu))
@@ -421,11 +426,13 @@ def replay(trace: Trace, factory: TargetFactory, oracle: Iterable[str] | None = 
 
 def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, n_ops: int,
              oracle: Iterable[str], rare: RarePaths | None = None, *, mix: OpMix = FUZZ_MIX,
-             strict: bool = False, incremental: bool = True, refine: bool = False
-             ) -> tuple[list[dict[str, Any]], Outcome]:
+             strict: bool = False, incremental: bool = True, refine: bool = False,
+             prefix: Sequence[dict[str, Any]] = ()) -> tuple[list[dict[str, Any]], Outcome]:
     """Draw up to ``n_ops`` state-aware operations of ``mix`` (``OpGenerator`` on ``rng``) on a
     fresh target; stop at the first finding (the finding's operation is the list's last). The
-    invalid ones (``mix.invalid_rate``) carry ``"expect": "error"``.
+    invalid ones (``mix.invalid_rate``) carry ``"expect": "error"``. ``prefix``: recorded
+    operations applied first, as drawn ones are (they count towards ``n_ops``); the drawing starts
+    from the state they leave (the generator keeps no state of its own, so it continues any trace).
 
     ``strict`` False (the fuzzer): operations the target rejects cleanly change nothing, so they
     are counted and left out of the returned list (the list replays to the same states).
@@ -448,8 +455,9 @@ def generate(config: OffloadConfig, factory: TargetFactory, rng: random.Random, 
         return [], run
     gen = OpGenerator(config, RandomChoices(rng), mix)
     ops: list[dict[str, Any]] = []
+    recorded = iter(prefix)
     while run.index < n_ops:
-        op = gen.next_op(run.engine)
+        op = next(recorded, None) or gen.next_op(run.engine)
         seen = run.rejected
         found = run.apply(op, recorded=strict)
         if found is not None or strict or run.rejected == seen:

@@ -292,9 +292,9 @@ def kind_weights(engine: Engine) -> dict[str, float]:
 
 class OpGenerator:
     """Operations for engines on ``config`` in the proportions of ``mix``, every decision drawn
-    from ``choices``. It keeps no state of its own: request ids come from the engine (``r<n>``, n
-    the requests added so far), so the same engine state and the same choices give the same
-    operation."""
+    from ``choices``. It keeps no state of its own: request ids come from the engine
+    (``Engine.unused_request_id``), so the same engine state and the same choices give the same
+    operation, and it can continue any trace."""
 
     def __init__(self, config: OffloadConfig, choices: Choices, mix: OpMix = FUZZ_MIX) -> None:
         self.config = config
@@ -331,7 +331,7 @@ class OpGenerator:
         c, b = self.choices, self.config.block_size
         blocks = c.integer(0, MAX_PROMPT_BLOCKS)
         extra = c.pick((0, 0, 1, 1, c.integer(1, b)))
-        return {"op": "add", "rid": f"r{engine.num_added}", "family": c.integer(0, self.num_families - 1),
+        return {"op": "add", "rid": engine.unused_request_id(), "family": c.integer(0, self.num_families - 1),
                 "prompt_len": max(1, blocks * b + extra), "max_tokens": c.pick((1, 1, 1, 2, 3, b, b + 2, 2 * b))}
 
     def step(self, engine: Engine) -> Op:
