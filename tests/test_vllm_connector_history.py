@@ -85,6 +85,8 @@ def test_known_causes_apply_from_first_to_fix() -> None:
     assert "reset" in known_cause("0.33.0", "violation:O14")
     assert "#45388" in known_cause("0.29.0", "stuck:head-of-line")
     assert known_cause("0.31.0", "stuck:head-of-line") == "" and known_cause("0.23.0", "stuck:drain") == ""
+    removal = "crash:KeyError@offloading/scheduler.py:_remove_pending_job: pending.remove(job_id)"
+    assert "twice" in known_cause("0.23.0", removal) and "twice" in known_cause("0.33.0", removal)
 
 
 def test_release_shapes_of_the_connector() -> None:
@@ -110,8 +112,8 @@ def test_a_release_without_the_harness_is_refused(tmp_path: Path) -> None:
 @VLLM_HERE
 def test_seeds_give_each_finding_its_median(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--seeds 2 --workers 2`` on 0.33.0: two searches side by side, each saving under its own
-    ``seed-N`` folder; per signature, the medians over both (the double reset crash comes within
-    seconds in every release: CONNECTOR_KNOWN)."""
+    ``seed-N`` folder; per signature, the medians over both and the swarm mix of the trace that
+    found it (the double reset crash comes within seconds in every release: CONNECTOR_KNOWN)."""
     from kvspec.cli import main
 
     if not (compat.venv_for("0.33.0", ROOT) / "bin" / "python").exists():
@@ -125,6 +127,7 @@ def test_seeds_give_each_finding_its_median(tmp_path: Path, capsys: pytest.Captu
     assert code == (1 if ttf else 0)
     for r in ttf:
         assert r["seeds"] == 2 and [p["seed"] for p in r["per_seed"]] == [0, 1]
+        assert set(r["mix"]["weights"]) == {"add", "step", "work", "abort", "reset"}  # swarm testing, the default
         assert r["trace"] is None or Path(r["trace"]).parent == tmp_path / f"seed-{r['seed']}" / "0.33.0"
         found = sorted(p["seconds"] for p in r["per_seed"] if p["found"])
         assert r["found_seeds"] == len(found) and (r["median_seconds"] is None) == (len(found) < 2)

@@ -243,3 +243,24 @@ def test_a_long_queue_drains_to_the_end_without_a_stuck_finding() -> None:
     r = run_trace(config, True, 1478124824, 60, "preempt")
     assert sum(op["op"] == "add" for op in r.ops) >= 25
     assert r.finding is None, r.finding
+
+
+def test_a_swarm_trace_keeps_its_mix_and_replays_from_its_operations() -> None:
+    """Under swarm testing a trace records the mix it was drawn under, draws only what the mix
+    weighs above zero, and its recorded operations replay to the same finding (or none): the mix
+    shapes the drawing only. A trace drawn without swarm records no mix."""
+    from kvspec.drivers.offloading_connector_fuzz import KINDS, ConnectorConfig, run_ops, run_trace, signature
+
+    config = ConnectorConfig(block_size=2, num_gpu_blocks=12, num_chunks=6, sliding_window=4)
+    left_out = 0
+    for seed in range(12):
+        r = run_trace(config, seed % 2 == 0, seed, 40, "mixed", swarm=True)
+        assert r.mix is not None and set(r.mix["weights"]) == set(KINDS)
+        drawn = {op["op"] for op in r.ops}
+        absent = {k for k, w in r.mix["weights"].items() if w == 0}
+        assert not drawn & absent, (r.mix, drawn)
+        left_out += bool(absent)
+        assert all(op["chunk"] in r.mix["chunks"] for op in r.ops if op["op"] == "step")
+        assert signature(run_ops(config, seed % 2 == 0, r.ops, "mixed").finding) == signature(r.finding)
+    assert left_out > 0  # some mix left a kind out in 12 traces (each kind but step: 1 in 3 or 4)
+    assert run_trace(config, True, 0, 20, "mixed").mix is None

@@ -4,7 +4,8 @@ For each release (``--versions``/``--releases``, default ``vllm_compat.CONNECTOR
 runs itself in that release's venv as a worker: a campaign of
 ``kvspec.drivers.offloading_connector_fuzz`` (vLLM's real scheduler and connector, the workers
 played from outside, O1-O15 after every operation, the four generation profiles in turn) for
-``--budget`` seconds of search. Each new finding (by signature: the violated invariants, or a
+``--budget`` seconds of search, each trace under a swarm mix of its own (``--no-swarm``: its
+profile's mix). Each new finding (by signature: the violated invariants, or a
 crash's exception and innermost vLLM function and statement) is shrunk (its time is not counted
 in the budget) and saved as ``--out/VERSION/<n>-<kind>.json``. Then every saved trace, of every
 release, is replayed on every release: the matrix says where each finding appears and where it
@@ -68,8 +69,16 @@ CONNECTOR_KNOWN = (
                "vLLM #45388 / #45387 (scheduler deadlock under KV-cache pressure with a KV-offloading connector): "
                "schedule() takes skipped_waiting first and stops at the first allocation that fails; a request "
                "parked there (a lookup deferred while its stores were in flight, or promoted after its load) "
-               "cannot get blocks that requests behind it hold for finished loads, which are never promoted. "
+               "cannot get blocks that requests behind it hold (for finished loads, or kept by a preempted "
+               "request), which are never promoted. "
                "0.31.0 schedules the requests that hold KV blocks first (kv_holding_waiting)"),
+    KnownCause("_remove_pending_job", "0.23.0", None,
+               "no public issue found (read in code and in the traces kept): a store job of a request with a "
+               "sliding-window group lists one GPU block both among its fenced (sliding-window) blocks and its "
+               "deferred fence (full-attention) blocks, a window block left in the request's block list after "
+               "it was freed and handed to the same request again (the cause of O14); when the request has "
+               "finished, the job's completion removes it from that block's pending set twice: KeyError in "
+               "_remove_pending_job (0.23.0: the same two removals, on its sliding-window and other blocks)"),
     KnownCause("violation:O14", "0.23.0", None,
                "no public issue found (read in code and in every O14 trace kept): with a sliding-window group, "
                "a window block that was stored, freed and reallocated to the same request further on stays in "
@@ -108,6 +117,8 @@ def history(args: argparse.Namespace) -> int:
     """Campaign per release, then the replay matrix; the table (or JSON rows) on stdout."""
     if args.raw:
         raise ConfigError("--raw is not available with --connector offloading")
+    if not args.continue_:
+        raise ConfigError("--no-continue is the first manager's (the connector search keeps no trace to run on from)")
     if args.worker is not None:
         return worker(args)
     versions = _versions(args)
@@ -144,7 +155,8 @@ def _campaign(version: str, seed: int, args: argparse.Namespace) -> dict[str, An
 
 def _call(version: str, args: argparse.Namespace, seed: int, out: Path, extra: list[str]) -> dict[str, Any]:
     cmd = [str(_python(version)), "-m", "kvspec.cli", "history", "--connector", "offloading", "--worker", version,
-           "--budget", str(args.budget), "--seed", str(seed), "--out", str(out), *extra]
+           "--budget", str(args.budget), "--seed", str(seed), "--out", str(out),
+           *([] if args.swarm else ["--no-swarm"]), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.budget * 4 + 900, env=worker_env())
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["(no message)"]
@@ -198,8 +210,9 @@ def _report(versions: list[str], campaigns: dict[tuple[str, int], dict[str, Any]
         secs, ops = describe(time_to_find([Sample(**p) for p in f["per_seed"]]), args.budget)
         print(f"\n{f['version']}  {f['signature']}\n  found by {f['found_seeds']}/{f['seeds']} seeds, median {secs} s, "
               f"{ops} operations (seed {f['seed']}: at {f['seconds']:.1f}s, {f['traces']} traces)")
-        print(f"  profile {f['profile']}, {len(f['ops'])} ops after shrinking: {f['trace']}" if f["trace"] else
-              f"  profile {f['profile']}, {len(f['ops'])} ops: its replay did not meet it again "
+        mix = f" ({_mix_text(f['mix'])})" if f.get("mix") else ""
+        print(f"  profile {f['profile']}{mix}, {len(f['ops'])} ops after shrinking: {f['trace']}" if f["trace"] else
+              f"  profile {f['profile']}{mix}, {len(f['ops'])} ops: its replay did not meet it again "
               f"(replay: {f.get('replay') or 'clean'}; not saved)")
         print(f"  {f['known'] or 'cause not known'}")
     if matrix:
@@ -207,6 +220,12 @@ def _report(versions: list[str], campaigns: dict[tuple[str, int], dict[str, Any]
         for trace, row in matrix.items():
             cells = "  ".join(f"{v}: {(row.get(v) or '-')[:60]}" for v in versions)
             print(f"{Path(trace).parent.name}/{Path(trace).name}\n    {cells}")
+
+
+def _mix_text(mix: dict[str, Any]) -> str:
+    """A swarm mix in a line: the kinds' weights, the chunks, the prefixes."""
+    weights = " ".join(f"{k} {w:g}" for k, w in mix["weights"].items())
+    return f"swarm: {weights}; chunks {','.join(map(str, mix['chunks']))}; {mix['prefixes']} prefixes"
 
 
 # -- the worker, inside one release's venv -----------------------------------------------------
@@ -236,7 +255,7 @@ def worker(args: argparse.Namespace) -> int:
     seen: set[str] = set()
     findings: list[dict[str, Any]] = []
     traces = steps = search_ops = 0
-    for r in ocf.campaign(args.budget, args.seed, clock=clock):
+    for r in ocf.campaign(args.budget, args.seed, clock=clock, swarm=args.swarm):
         traces += 1
         steps += r.steps
         ops_before, search_ops = search_ops, search_ops + len(r.ops)
@@ -252,18 +271,20 @@ def worker(args: argparse.Namespace) -> int:
         paused[0] += time.monotonic() - t0
         if ocf.signature(best.finding) != sig:  # the replay does not meet it again: reported, not saved
             findings.append({"signature": sig, "seconds": round(at, 1), "search_ops": at_ops, "traces": traces,
-                             "profile": r.profile, "config": r.config, "async_scheduling": r.async_scheduling,
+                             "profile": r.profile, "mix": r.mix, "config": r.config,
+                             "async_scheduling": r.async_scheduling,
                              "seed": r.seed, "ops": r.ops, "trace": None, "known": known_cause(args.worker, sig),
                              "replay": ocf.signature(best.finding)})
             continue
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"{len(findings) + 1:02d}-{r.finding['kind'] if r.finding else 'clean'}.json"
-        doc = {"format": TRACE_FORMAT, "release": args.worker, "seed": r.seed, "profile": r.profile,
+        doc = {"format": TRACE_FORMAT, "release": args.worker, "seed": r.seed, "profile": r.profile, "mix": r.mix,
                "config": r.config, "async_scheduling": r.async_scheduling, "ops": ops,
                "finding": best.finding, "signature": sig}
         path.write_text(json.dumps(doc, indent=1) + "\n")
         findings.append({"signature": sig, "seconds": round(at, 1), "search_ops": at_ops, "traces": traces,
-                         "profile": r.profile, "ops": ops, "trace": str(path), "known": known_cause(args.worker, sig)})
+                         "profile": r.profile, "mix": r.mix, "ops": ops, "trace": str(path),
+                         "known": known_cause(args.worker, sig)})
     print(json.dumps({"traces": traces, "steps": steps, "search_ops": search_ops, "seconds": round(clock() - start, 1),
                       "findings": findings}))
     return EXIT_CLEAN

@@ -276,6 +276,11 @@ def history(args: argparse.Namespace) -> int:
         raise ConfigError("--raw is not available with --manager offloading")
     if args.workers not in (None, 1):
         raise ConfigError("--workers: history --manager offloading fuzzes the releases one after another")
+    unused = [flag for flag, used in (("--seeds", args.seeds != 1), ("--no-swarm", not args.swarm),
+                                      ("--no-continue", not args.continue_)) if used]
+    if unused:
+        raise ConfigError(f"history --manager offloading has no {' or '.join(unused)} (one search per release "
+                          "and policy, each a kvspec fuzz with its own defaults)")
     versions = [v.strip() for v in (args.versions or ",".join(OFFLOADING_RELEASES)).split(",") if v.strip()]
     for v in versions:
         compat.parse_release(v)

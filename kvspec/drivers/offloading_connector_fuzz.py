@@ -18,7 +18,12 @@ GPU pool, many requests, stores left in flight, an abort weight drawn per trace:
 re-admission while a preempted request's stores are not reported, vLLM #46014), ``window`` (a
 sliding-window group, repeated prefixes for CPU hits, windows not a multiple of the block size:
 vLLM #48959) and ``decode`` (async scheduling, ``offload_prompt_only`` False, long outputs:
-decode blocks stored, #36052/#46824). A finding is a violation (invariant ids), a crash (vLLM
+decode blocks stored, #36052/#46824). Under swarm testing (``draw_mix``; what ``campaign`` does
+unless told otherwise) each trace also draws its own mix on top of its profile: each kind
+but ``step`` left out, kept or emphasised, the step chunks from a subset, the number of shared
+prefixes; a trace that never finishes a job piles stores in flight onto its preemptions, one
+that resets often reaches the reset paths, one without aborts or resets keeps the state they would
+undo. A finding is a violation (invariant ids), a crash (vLLM
 raised: the exception type and the innermost vLLM function, its *signature*) or ``stuck`` (the
 drain makes no progress: ``stuck:head-of-line`` when the state left is the scheduler's
 head-of-line block, else ``stuck:stall``; or it never ends: ``stuck:drain``). An exception
@@ -51,6 +56,13 @@ WEIGHTS = {"mixed": (3, 8, 4, 0.6, 0.25), "preempt": (4, 8, 1.5, 0.2, 0.0),
            "window": (3, 8, 4, 0.3, 0.0), "decode": (2, 10, 3, 0.3, 0.0)}
 #: The ``preempt`` profile's abort weight, drawn per trace.
 PREEMPT_ABORTS = (0.2, 1.0, 4.0)
+KINDS = ("add", "step", "work", "abort", "reset")
+#: Swarm testing: the factors one trace's mix may multiply each kind's weight by (a kind its
+#: profile leaves out starts from the ``mixed`` weight; steps stay as they are), and the step
+#: chunk sets, as multiples of the block size (64: a whole prompt at once).
+SWARM_FACTORS = {"add": (0.5, 1.0, 2.0), "work": (0.0, 0.25, 1.0, 3.0), "abort": (0.0, 1.0, 4.0),
+                 "reset": (0.0, 1.0, 8.0)}
+SWARM_CHUNKS = ((1,), (1, 2), (1, 2, 4, 64), (64,))
 Op = dict[str, Any]
 Hook = Callable[[VllmConnectorScheduler], object]  # sees the scheduler once built, before any request
 
@@ -67,11 +79,12 @@ class TraceResult:
     ops: list[Op] = field(default_factory=list)
     steps: int = 0
     finding: dict[str, Any] | None = None
+    mix: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"seed": self.seed, "profile": self.profile, "config": self.config,
                 "async_scheduling": self.async_scheduling, "ops": self.ops, "steps": self.steps,
-                "finding": self.finding}
+                "finding": self.finding, "mix": self.mix}
 
 
 def signature(finding: dict[str, Any] | None) -> str | None:
@@ -207,9 +220,10 @@ class _Run:
 def _head_of_line(s: VllmConnectorScheduler) -> str | None:
     """What a stuck drain looks like when it is the scheduler's head-of-line block: nothing
     running, and at the head of ``skipped_waiting`` a request that is not waiting for anything
-    (only for GPU blocks) ahead of requests whose loads finished (in
-    ``finished_recving_kv_req_ids``) and hold GPU blocks: ``schedule()`` stops at the first
-    allocation that fails, so they are never promoted. None when the state is other."""
+    (only for GPU blocks) ahead of requests that hold GPU blocks (a finished load, in
+    ``finished_recving_kv_req_ids``, or a preempted request that still holds blocks):
+    ``schedule()`` stops at the first allocation that fails, so they are never promoted. None
+    when the state is other."""
     sched = s.scheduler
     if not hasattr(sched, "skipped_waiting"):  # 0.31.0 on: blocks holders have a queue of their own
         return None
@@ -217,14 +231,13 @@ def _head_of_line(s: VllmConnectorScheduler) -> str | None:
     if sched.running or not queue or queue[0].status.name.startswith("WAITING_FOR_"):
         return None
     recved: set[str] = getattr(sched, "finished_recving_kv_req_ids", set())
-    held = {r.request_id: sum(b != 0 for ids in sched.kv_cache_manager.get_block_ids(r.request_id) for b in ids)
-            for r in queue[1:] if r.status.name == "WAITING_FOR_REMOTE_KVS" and r.request_id in recved}
+    held = {f"{r.request_id} ({'load finished' if r.request_id in recved else r.status.name})":
+            sum(b != 0 for ids in sched.kv_cache_manager.get_block_ids(r.request_id) for b in ids) for r in queue[1:]}
     held = {rid: n for rid, n in held.items() if n}
     if not held:
         return None
     return (f"head-of-line: {queue[0].request_id} ({queue[0].status.name}) heads skipped_waiting and cannot get "
-            f"GPU blocks ({s.pool.get_num_free_blocks()} free); behind it, loads finished and GPU blocks held: "
-            f"{held}; nothing runs")
+            f"GPU blocks ({s.pool.get_num_free_blocks()} free); behind it, GPU blocks held: {held}; nothing runs")
 
 
 class Verdict(Exception):
@@ -304,21 +317,56 @@ def run_ops(config: ConnectorConfig, async_scheduling: bool, ops: list[Op], prof
                     list(ops), hook=hook)
 
 
-# long function: the operation generator's per-kind draws share the trace's prefixes and ids
-def _draw_ops(rng: random.Random, config: ConnectorConfig, profile: str, num_ops: int) -> Any:
-    """A generator of ``num_ops`` operations; each ``send(run)`` gives it the state to draw from."""
+@dataclass(frozen=True)
+class Mix:
+    """One trace's operation mix: each kind's weight (in ``KINDS`` order), the step chunks (tokens)
+    and how many of the trace's shared prefixes its prompts start with."""
+
+    weights: tuple[float, ...]
+    chunks: tuple[int, ...]
+    prefixes: int = 3
+
+    def to_json(self) -> dict[str, Any]:
+        return {"weights": dict(zip(KINDS, self.weights, strict=True)), "chunks": list(self.chunks),
+                "prefixes": self.prefixes}
+
+
+def draw_mix(rng: random.Random, config: ConnectorConfig, profile: str, swarm: bool = False) -> Mix:
+    """``profile``'s mix for one trace (the ``preempt`` profile's abort weight drawn), or with
+    ``swarm`` one drawn on top of it (``SWARM_FACTORS``, ``SWARM_CHUNKS``, one to three prefixes).
+    Every operation a swarm mix gives is one its profile could give, bar the kinds the profile
+    leaves out; only the proportions differ. Without ``swarm`` nothing but the abort weight is
+    drawn. O(1)."""
+    B = config.block_size
+    weights = list(WEIGHTS[profile])
+    if profile == "preempt":  # aborts free GPU blocks between two schedules: room for a preempted
+        weights[3] = rng.choice(PREEMPT_ABORTS)  # request to come back in the very next one (#46014)
+    if not swarm:
+        return Mix(tuple(weights), (B, 2 * B, 4 * B, 64))
+    for n, kind in enumerate(KINDS):
+        if kind in SWARM_FACTORS:
+            weights[n] = (weights[n] or WEIGHTS["mixed"][n]) * rng.choice(SWARM_FACTORS[kind])
+    chunks = tuple(64 if c == 64 else c * B for c in rng.choice(SWARM_CHUNKS))
+    return Mix(tuple(weights), chunks, rng.randint(1, 3))
+
+
+def _draw_ops(rng: random.Random, config: ConnectorConfig, profile: str, num_ops: int,
+              swarm: bool = False, result: TraceResult | None = None) -> Any:
+    """A generator of ``num_ops`` operations; each ``send(run)`` gives it the state to draw from.
+    Its mix (``draw_mix``) is recorded in ``result.mix`` under ``swarm``."""
     B = config.block_size
     groups = 2 if config.sliding_window else 1
     room = ((config.num_gpu_blocks - 1) // groups - 1) * B  # a request must fit the GPU pool alone
     prefixes = [[rng.randrange(3, 90) for _ in range(rng.randint(1, 4) * B)] for _ in range(3)]
+    mix = draw_mix(rng, config, profile, swarm)
+    if swarm and result is not None:
+        result.mix = mix.to_json()
+    prefixes = prefixes[:mix.prefixes]
     ids = iter(range(10**6))
     long_out = profile == "decode"
     run: _Run | None = None
-    weights = list(WEIGHTS[profile])
-    if profile == "preempt":  # aborts free GPU blocks between two schedules: room for a preempted
-        weights[3] = rng.choice(PREEMPT_ABORTS)  # request to come back in the very next one (#46014)
     for _ in range(num_ops):
-        kind = rng.choices(["add", "step", "work", "abort", "reset"], weights)[0]
+        kind = rng.choices(KINDS, mix.weights)[0]
         if run is not None and not run.s.requests:
             kind = "add"
         op: Op
@@ -329,7 +377,7 @@ def _draw_ops(rng: random.Random, config: ConnectorConfig, profile: str, num_ops
             max_tokens = min(max_tokens, max(1, room - len(prompt)))
             op = {"op": "add", "rid": f"r{next(ids)}", "prompt": prompt, "max_tokens": max_tokens}
         elif kind == "step":
-            op = {"op": "step", "chunk": rng.choice([B, 2 * B, 4 * B, 64])}
+            op = {"op": "step", "chunk": rng.choice(mix.chunks)}
         elif kind == "work":
             pending = sorted({job.req for job in run.s.jobs.values() if not job.done})
             op = {"op": "work", "req": rng.choice(pending) if pending and rng.random() < 0.6 else None,
@@ -345,12 +393,14 @@ def _draw_ops(rng: random.Random, config: ConnectorConfig, profile: str, num_ops
 
 
 def run_trace(config: ConnectorConfig, async_scheduling: bool, seed: int, num_ops: int = 60,
-              profile: str = "mixed", hook: Hook | None = None) -> TraceResult:
-    """One trace of ``num_ops`` operations drawn from ``seed`` under ``profile``, plus the drain;
-    ``hook`` sees the scheduler once built, before any request (the connector lockstep wraps it)."""
+              profile: str = "mixed", hook: Hook | None = None, swarm: bool = False) -> TraceResult:
+    """One trace of ``num_ops`` operations drawn from ``seed`` under ``profile`` (with ``swarm``,
+    under a mix of its own: ``draw_mix``), plus the drain; ``hook`` sees the scheduler once built,
+    before any request (the connector lockstep wraps it)."""
     rng = random.Random(seed)
     result = TraceResult(seed, config.to_json(), async_scheduling, profile)
-    return _execute(config, async_scheduling, result, _draw_ops(rng, config, profile, num_ops), hook=hook)
+    return _execute(config, async_scheduling, result, _draw_ops(rng, config, profile, num_ops, swarm, result),
+                    hook=hook)
 
 
 def shrink(config: ConnectorConfig, async_scheduling: bool, ops: list[Op], wanted: str,
@@ -378,9 +428,10 @@ def shrink(config: ConnectorConfig, async_scheduling: bool, ops: list[Op], wante
 
 
 def campaign(budget_s: float, seed: int, async_modes: tuple[bool, ...] | None = None, num_ops: int = 60,
-             profiles: tuple[str, ...] = PROFILES,
-             clock: Callable[[], float] = time.monotonic) -> Iterator[TraceResult]:
-    """Traces with drawn profiles and configurations until ``budget_s`` seconds have passed;
+             profiles: tuple[str, ...] = PROFILES, clock: Callable[[], float] = time.monotonic,
+             swarm: bool = True) -> Iterator[TraceResult]:
+    """Traces with drawn profiles and configurations until ``budget_s`` seconds have passed, each
+    under a swarm mix of its own unless ``swarm`` is False (then under its profile's mix);
     ``async_modes`` alternates the scheduling mode instead of drawing it with the profile."""
     assert set(OFFLOADING_CATALOGUE) >= {"O11", "O12", "O13", "O14", "O15"}
     rng = random.Random(seed)
@@ -390,5 +441,5 @@ def campaign(budget_s: float, seed: int, async_modes: tuple[bool, ...] | None = 
         profile = profiles[i % len(profiles)]
         config, drawn_async = draw_config(rng, profile)
         mode = drawn_async if async_modes is None else async_modes[i % len(async_modes)]
-        yield run_trace(config, mode, rng.randrange(2**31), num_ops, profile)
+        yield run_trace(config, mode, rng.randrange(2**31), num_ops, profile, swarm=swarm)
         i += 1
