@@ -46,8 +46,8 @@ def test_a_swarm_mix_reweighs_its_profile_and_every_option_is_drawn(profile: str
     rng = random.Random(11)
     seen: dict[str, set[float]] = {k: set() for k in SWARM_FACTORS}
     chunk_sets, prefix_counts = set(), set()
+    plain = draw_mix(random.Random(0), config, profile)
     for _ in range(400):
-        plain = draw_mix(random.Random(0), config, profile)
         mix = draw_mix(rng, config, profile, swarm=True)
         assert mix.weights[KINDS.index("step")] == WEIGHTS[profile][KINDS.index("step")]
         for n, kind in enumerate(KINDS):

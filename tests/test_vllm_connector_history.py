@@ -87,6 +87,7 @@ def test_known_causes_apply_from_first_to_fix() -> None:
     assert known_cause("0.31.0", "stuck:head-of-line") == "" and known_cause("0.23.0", "stuck:drain") == ""
     removal = "crash:KeyError@offloading/scheduler.py:_remove_pending_job: pending.remove(job_id)"
     assert "twice" in known_cause("0.23.0", removal) and "twice" in known_cause("0.33.0", removal)
+    assert known_cause("0.33.0", "crash:AssertionError@offloading/scheduler.py:_remove_pending_job: x") == ""
 
 
 def test_release_shapes_of_the_connector() -> None:

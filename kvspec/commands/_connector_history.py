@@ -72,7 +72,7 @@ CONNECTOR_KNOWN = (
                "cannot get blocks that requests behind it hold (for finished loads, or kept by a preempted "
                "request), which are never promoted. "
                "0.31.0 schedules the requests that hold KV blocks first (kv_holding_waiting)"),
-    KnownCause("_remove_pending_job", "0.23.0", None,
+    KnownCause("KeyError@offloading/scheduler.py:_remove_pending_job", "0.23.0", None,
                "no public issue found (read in code and in the traces kept): a store job of a request with a "
                "sliding-window group lists one GPU block both among its fenced (sliding-window) blocks and its "
                "deferred fence (full-attention) blocks, a window block left in the request's block list after "
